@@ -1,0 +1,99 @@
+"""What the transfer protocol needs from a transport, as three small interfaces.
+
+* :class:`MessageQueue` -- named FIFO queues of msgpack bytes on an endpoint's rendezvous
+  server. Each endpoint hosts one server; a thread that blocks on ``pop`` holds its own
+  client connection. Queues are read from the *peer's* server, so a peer that dies turns a
+  blocked ``pop`` into a :class:`ChannelError` at once; a local close wakes its own readers
+  by pushing a ``Bye`` into the queue they wait on.
+* :class:`Channel` -- a two-rank tensor pipe (rank 0 = producer, rank 1 = consumer) with
+  asynchronous ``send``/``recv`` whose ``wait(timeout_s)`` raises :class:`ChannelError`.
+* :class:`Backend` -- builds both from small address dicts.
+
+Implementations: :class:`kvtransfer.dist_backend.DistBackend` (TCPStore + ProcessGroupGloo /
+ProcessGroupNCCL) and :class:`kvtransfer.mock_backend.MockBackend` (in-process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+DATA_TAG = 1  # payload parts
+FRAME_TAG = 2  # fwd messages as frames (channels with can_prepost)
+
+
+class ChannelError(Exception):
+    """A send, receive or queue operation that cannot complete."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class Work(Protocol):
+    def wait(self, timeout_s: float) -> None:
+        """Block until the operation completed; ChannelError on timeout or a broken pipe."""
+        ...
+
+
+class Channel(Protocol):
+    backend_name: str
+    # True when a receive may stay posted while idle and may be larger than the message
+    # (gloo, mock): fwd messages then travel as frames on the channel itself. False for
+    # NCCL (a posted receive occupies the GPU): they travel through the store queue.
+    can_prepost: bool
+
+    def send(self, tensor: torch.Tensor, tag: int) -> Work: ...
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
+
+    def close(self) -> None:
+        """Tear the pipe down; the peer's pending and later operations fail."""
+        ...
+
+
+class MessageQueue(Protocol):
+    def push(self, key: str, data: bytes) -> None: ...
+
+    def pop(self, key: str) -> bytes:
+        """Block until a message arrives; ChannelError when the server is gone."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # "dist" | "mock"
+
+    def listen(self, host: str) -> dict[str, Any]:
+        """Start this endpoint's rendezvous server; returns its msgpack-able address."""
+        ...
+
+    def open_queue(self, address: dict[str, Any], timeout_s: float) -> MessageQueue:
+        """A new client connection to the server at ``address``."""
+        ...
+
+    def channel_backend_name(self, device: torch.device) -> str: ...
+
+    def open_channel(
+        self,
+        address: dict[str, Any],
+        pair: str,
+        rank: int,
+        device: torch.device,
+        local_host: str,
+        timeout_s: float,
+        on_connected: Callable[[], None] | None = None,
+    ) -> Channel:
+        """Rendezvous with the other rank of ``pair`` at ``address`` (blocking).
+
+        ``on_connected`` runs once this side's connection to the rendezvous server is up and
+        before it waits for the peer: the producer announces the pair from there, so the two
+        sides never connect to the server at the same moment."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop this endpoint's server."""
+        ...

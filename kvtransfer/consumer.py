@@ -1,0 +1,212 @@
+"""The decode side: reserve-then-receive, writing straight into the reserved slots.
+
+Life of a transfer here::
+
+    1. expect(req, block_ids, present)  PENDING; the ticket goes to the producer (control plane)
+    2. Hello on our accept queue        a producer opens a pair: its link thread joins the
+                                        pair's process group (rank 1) and reads its fwd queue
+    3. Open(req)                        binds the record to that link (unknown id: refused)
+    4. Blocks header (+ parts)          validated against the reservation before any write;
+                                        refused headers are drained and answered End(FAILED)
+    5. every part written               DONE, End(DONE) to the producer
+    any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal;
+    from then on nothing is written into the slots (the caller frees them, see __init__).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kvtransfer import wire
+from kvtransfer.backend import (
+    Backend,
+    ChannelError,
+)
+from kvtransfer.consumer_link import ConsumerLink
+from kvtransfer.dist_backend import DistBackend
+from kvtransfer.layout import KVLayout, KVStore
+from kvtransfer.state import (
+    FailReason,
+    Location,
+    Side,
+    TransferConfig,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
+from kvtransfer.transfers import (
+    TransferRecord,
+    TransferTable,
+    Watchdog,
+)
+
+log = logging.getLogger(__name__)
+
+ACCEPT_KEY = wire.ACCEPT_KEY
+
+
+class KVConsumer:
+    """Receives KV blocks from any number of producers into reserved slots of ``store``."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        location: Location | None = None,
+        config: TransferConfig | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self._store = store
+        self.layout = KVLayout.of(store.kv_layout())
+        self.location = location or Location(socket.gethostname(), str(self.layout.device))
+        self.config = config or TransferConfig()
+        self._backend = backend or DistBackend()
+        self.endpoint_id = f"c-{uuid.uuid4().hex[:12]}"
+        self._server = self._backend.listen(self.location.host)
+        # Largest part we accept in one message (the producer sizes its parts to fit).
+        self.lead_bytes = max(self.config.part_bytes, self.layout.bytes_per_block)
+        self._table = TransferTable(Side.CONSUMER)
+        self._links: dict[str, ConsumerLink] = {}
+        self._links_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._accept_queue = self._backend.open_queue(self._server, self.config.connect_timeout_s)
+        # One connection for every link's acknowledgements (pushes only, so it can be shared;
+        # fewer connections to set up per pair).
+        self._rev_queue = self._backend.open_queue(self._server, self.config.connect_timeout_s)
+        self._rev_lock = threading.Lock()
+        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"kvx-accept-{self.endpoint_id}")
+        self._accept_thread.start()
+        self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def address(self) -> dict[str, Any]:
+        return {
+            "endpoint_id": self.endpoint_id,
+            "backend": self._backend.name,
+            "server": dict(self._server),
+            "location": self.location.to_wire(),
+            "layout": self.layout.to_wire(),
+            "lead_bytes": self.lead_bytes,
+        }
+
+    def expect(self, req_id: str, block_ids: Sequence[int], present: Sequence[int] = ()) -> dict:
+        """Register reserved slots for ``req_id``; returns the ticket for the producer."""
+        if self._closed.is_set():
+            raise RuntimeError("consumer is closed")
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError("req_id must be a non-empty string")
+        ids = [int(b) for b in block_ids]
+        if not ids or any(b < 0 for b in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"block_ids must be distinct non-negative ints, got {ids!r}")
+        hits = frozenset(int(p) for p in present)
+        if any(not 0 <= p < len(ids) for p in hits):
+            raise ValueError(f"present positions must index block_ids (0..{len(ids) - 1})")
+        record = TransferRecord(req_id, Side.CONSUMER, ids, hits, len(ids) - len(hits))
+        self._table.add(record)
+        if record.num_total == 0:
+            self._table.finish(record, TransferState.DONE, detail="every block was present")
+        return {"req_id": req_id, "block_ids": ids, "present": sorted(hits),
+                "consumer": self.address()}
+
+    def poll(self, req_id: str) -> TransferStatus | None:
+        return self._table.status(req_id)
+
+    def abort(self, req_id: str) -> bool:
+        record = self._table.get(req_id)
+        if record is None or not self._table.finish(
+            record, TransferState.ABORTED, side=Side.CONSUMER, detail="aborted by the consumer"
+        ):
+            return False
+        if record.link is not None:
+            record.link.send_end(wire.End(req_id, TransferState.ABORTED, side=Side.CONSUMER,
+                                          detail="aborted by the consumer"))
+        return True
+
+    def forget(self, req_id: str) -> TransferStatus | None:
+        return self._table.forget(req_id)
+
+    def drain_stats(self) -> list[TransferStats]:
+        return self._table.drain_stats()
+
+    def peers(self) -> list[str]:
+        """Producer endpoint ids with an open pair group."""
+        with self._links_lock:
+            return [link.producer_id for link in self._links.values()]
+
+    def close(self) -> None:
+        """Abort live transfers, say goodbye to every producer, stop the server."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._watchdog.stop()
+        for record in self._table.live():
+            self.abort(record.req_id)
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
+            link.close(graceful=True)
+        try:  # wake the accept thread (its own connection is blocked in pop)
+            waker = self._backend.open_queue(self._server, self.config.connect_timeout_s)
+            waker.push(ACCEPT_KEY, wire.encode(wire.Bye()))
+            waker.close()
+        except ChannelError:
+            pass
+        self._accept_thread.join(timeout=2)
+        for link in links:
+            link.join(timeout=2)
+            link.abandon()
+        self._backend.shutdown()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @property
+    def table(self) -> TransferTable:
+        return self._table
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                raw = self._accept_queue.pop(ACCEPT_KEY)
+            except ChannelError as exc:
+                if not self._closed.is_set():
+                    log.error("kvtransfer consumer %s: accept queue failed: %s", self.endpoint_id, exc)
+                return
+            try:
+                msg = wire.decode(raw)
+            except wire.ProtocolError as exc:
+                log.warning("kvtransfer consumer: bad hello dropped: %s", exc)
+                continue
+            if isinstance(msg, wire.Bye) or self._closed.is_set():
+                continue
+            if not isinstance(msg, wire.Hello):
+                log.warning("kvtransfer consumer: unexpected %s on the accept queue", type(msg).__name__)
+                continue
+            link = ConsumerLink(self, msg)
+            with self._links_lock:
+                old = self._links.pop(msg.pair, None)
+                self._links[msg.pair] = link
+            if old is not None:
+                old.close(graceful=False)
+            link.start()
+
+    def _drop_link(self, link: ConsumerLink) -> None:
+        with self._links_lock:
+            if self._links.get(link.pair) is link:
+                del self._links[link.pair]
+
+    def _on_overdue(self, record: TransferRecord) -> None:
+        started = record.state is TransferState.TRANSFERRING
+        detail = ("no block arrived within the stall timeout" if started
+                  else "the producer did not start within the start timeout")
+        if self._table.finish(record, TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER,
+                              detail):
+            if record.link is not None:
+                record.link.send_end(wire.End(record.req_id, TransferState.FAILED,
+                                              FailReason.TIMEOUT, Side.PRODUCER, detail))

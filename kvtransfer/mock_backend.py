@@ -1,0 +1,222 @@
+"""In-process transport with the :class:`kvtransfer.backend.Backend` interface.
+
+For unit tests of the layers above (worker actors, schedulers): producers and consumers in one
+process talk through a :class:`MockHub` (queues and tensor pipes in memory) with the same
+protocol, states, timeouts and failure handling as the torch.distributed transport. Tensors
+are copied on send, so the two pools never alias.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvtransfer.backend import ChannelError
+
+_hubs: dict[str, MockHub] = {}
+_hubs_lock = threading.Lock()
+
+
+class MockHub:
+    """A namespace of in-memory servers and pipes; endpoints on one hub can reach each other."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"hub-{id(self):x}"
+        self._lock = threading.Condition()
+        self._servers: dict[int, dict[str, deque[bytes]]] = {}
+        self._pipes: dict[str, _MockPipe] = {}
+        self._ids = itertools.count(1)
+        with _hubs_lock:
+            _hubs[self.name] = self
+
+    @classmethod
+    def lookup(cls, name: str) -> MockHub:
+        with _hubs_lock:
+            hub = _hubs.get(name)
+        if hub is None:
+            raise ChannelError(f"no mock hub named {name!r}")
+        return hub
+
+    def add_server(self) -> int:
+        with self._lock:
+            server = next(self._ids)
+            self._servers[server] = {}
+            return server
+
+    def remove_server(self, server: int) -> None:
+        with self._lock:
+            self._servers.pop(server, None)
+            self._lock.notify_all()
+
+    def push(self, server: int, key: str, data: bytes) -> None:
+        with self._lock:
+            queues = self._servers.get(server)
+            if queues is None:
+                raise ChannelError(f"mock server {server} is gone")
+            queues.setdefault(key, deque()).append(bytes(data))
+            self._lock.notify_all()
+
+    def pop(self, server: int, key: str) -> bytes:
+        with self._lock:
+            while True:
+                queues = self._servers.get(server)
+                if queues is None:
+                    raise ChannelError(f"mock server {server} is gone")
+                queue = queues.get(key)
+                if queue:
+                    return queue.popleft()
+                self._lock.wait()
+
+    def pipe(self, pair: str, timeout_s: float) -> _MockPipe:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            pipe = self._pipes.get(pair)
+            if pipe is None:
+                pipe = self._pipes[pair] = _MockPipe()
+                while pipe.arrivals < 1:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        del self._pipes[pair]
+                        raise ChannelError(f"mock rendezvous for {pair} timed out", timed_out=True)
+                    self._lock.wait(remaining)
+            else:
+                pipe.arrivals += 1
+                del self._pipes[pair]
+                self._lock.notify_all()
+            return pipe
+
+
+class _MockPipe:
+    """Two directions of tensor messages, FIFO per tag, shared by both ranks."""
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.cond = threading.Condition()
+        self.inbox: dict[tuple[int, int], deque[torch.Tensor]] = {}  # (dst rank, tag)
+        self.closed = False
+
+
+class _MockWork:
+    __slots__ = ("_pipe", "_rank", "_tag", "_tensor")
+
+    def __init__(self, pipe: _MockPipe, rank: int, tag: int, tensor: torch.Tensor | None) -> None:
+        self._pipe, self._rank, self._tag, self._tensor = pipe, rank, tag, tensor
+
+    def wait(self, timeout_s: float) -> None:
+        if self._tensor is None:  # a send: buffered at once
+            return
+        deadline = time.monotonic() + timeout_s
+        pipe = self._pipe
+        with pipe.cond:
+            while True:
+                box = pipe.inbox.get((self._rank, self._tag))
+                if box:
+                    data = box.popleft()
+                    break
+                if pipe.closed:
+                    raise ChannelError("recv: mock pipe closed by peer")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ChannelError("recv: timed out", timed_out=True)
+                pipe.cond.wait(remaining)
+        src = data.reshape(-1).view(torch.uint8)
+        dst = self._tensor.reshape(-1).view(torch.uint8)
+        if src.numel() > dst.numel():
+            raise ChannelError("recv: message larger than the posted buffer")
+        dst[: src.numel()].copy_(src)
+
+
+class MockChannel:
+    backend_name = "mock"
+    can_prepost = True
+
+    def __init__(self, pipe: _MockPipe, rank: int) -> None:
+        self._pipe, self._rank = pipe, rank
+
+    def send(self, tensor: torch.Tensor, tag: int) -> _MockWork:
+        with self._pipe.cond:
+            if self._pipe.closed:
+                raise ChannelError("send: mock pipe closed")
+            box = self._pipe.inbox.setdefault((1 - self._rank, tag), deque())
+            box.append(tensor.detach().clone())
+            self._pipe.cond.notify_all()
+        return _MockWork(self._pipe, self._rank, tag, None)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> _MockWork:
+        if self._pipe.closed:
+            raise ChannelError("recv: mock pipe closed")
+        return _MockWork(self._pipe, self._rank, tag, tensor)
+
+    def close(self) -> None:
+        with self._pipe.cond:
+            self._pipe.closed = True
+            self._pipe.cond.notify_all()
+
+
+class _MockQueue:
+    def __init__(self, hub: MockHub, server: int) -> None:
+        self._hub, self._server = hub, server
+
+    def push(self, key: str, data: bytes) -> None:
+        self._hub.push(self._server, key, data)
+
+    def pop(self, key: str) -> bytes:
+        return self._hub.pop(self._server, key)
+
+    def close(self) -> None:
+        return None
+
+
+class MockBackend:
+    """One endpoint on a :class:`MockHub` (the process-wide default hub when none is given)."""
+
+    name = "mock"
+
+    def __init__(self, hub: MockHub | None = None) -> None:
+        self._hub = hub or _default_hub()
+        self._server: int | None = None
+
+    def listen(self, host: str) -> dict[str, Any]:
+        if self._server is not None:
+            raise RuntimeError("MockBackend.listen called twice; use one backend per endpoint")
+        self._server = self._hub.add_server()
+        return {"hub": self._hub.name, "server": self._server}
+
+    def open_queue(self, address: dict[str, Any], timeout_s: float) -> _MockQueue:
+        return _MockQueue(MockHub.lookup(str(address["hub"])), int(address["server"]))
+
+    def channel_backend_name(self, device: torch.device) -> str:
+        return "mock"
+
+    def open_channel(
+        self,
+        address: dict[str, Any],
+        pair: str,
+        rank: int,
+        device: torch.device,
+        local_host: str,
+        timeout_s: float,
+        on_connected: Callable[[], None] | None = None,
+    ) -> MockChannel:
+        hub = MockHub.lookup(str(address["hub"]))
+        if on_connected is not None:
+            on_connected()
+        return MockChannel(hub.pipe(pair, timeout_s), rank)
+
+    def shutdown(self) -> None:
+        """Like a process exit: queues on this endpoint's server fail for their readers."""
+        if self._server is not None:
+            self._hub.remove_server(self._server)
+            self._server = None
+
+
+def _default_hub() -> MockHub:
+    with _hubs_lock:
+        hub = _hubs.get("default")
+    return hub or MockHub("default")

@@ -1,0 +1,248 @@
+"""The prefill side: stream blocks into a consumer's reserved slots as prefill chunks finish.
+
+Life of a transfer here::
+
+    1. begin(ticket)            PENDING; the pair to that consumer is opened lazily (Hello on
+                                its accept queue, two-rank process group, rank 0) by the
+                                link's sender thread, so begin never blocks
+    2. push(req, src_ids)       each finished chunk's blocks; positions present at the
+                                consumer are skipped; the sender thread gathers them into a
+                                reused staging buffer and sends part by part while the
+                                caller's next chunk computes (TRANSFERRING)
+    3. End(DONE) on rev queue   the consumer wrote every block: DONE
+    any time: abort(), a stall past the timeout, the consumer's End/Bye or death -> terminal;
+    from then on the source blocks are not read again (the caller releases them).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtransfer import wire
+from kvtransfer.backend import (
+    Backend,
+)
+from kvtransfer.dist_backend import DistBackend
+from kvtransfer.layout import KVLayout, KVStore
+from kvtransfer.producer_link import ProducerLink
+from kvtransfer.state import (
+    FailReason,
+    Location,
+    Side,
+    TransferConfig,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
+from kvtransfer.transfers import (
+    TransferRecord,
+    TransferTable,
+    Watchdog,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KVProducer:
+    """Sends KV blocks of ``store`` to any number of consumers, one pair group each."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        location: Location | None = None,
+        config: TransferConfig | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self._store = store
+        self.layout = KVLayout.of(store.kv_layout())
+        self.location = location or Location(socket.gethostname(), str(self.layout.device))
+        self.config = config or TransferConfig()
+        self._backend = backend or DistBackend()
+        self.endpoint_id = f"p-{uuid.uuid4().hex[:12]}"
+        self._server = self._backend.listen(self.location.host)
+        self._table = TransferTable(Side.PRODUCER)
+        self._links: dict[str, ProducerLink] = {}
+        self._links_lock = threading.Lock()
+        self._closed = False
+        self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def address(self) -> dict[str, Any]:
+        return {
+            "endpoint_id": self.endpoint_id,
+            "backend": self._backend.name,
+            "server": dict(self._server),
+            "location": self.location.to_wire(),
+            "layout": self.layout.to_wire(),
+        }
+
+    def begin(self, ticket: dict) -> None:
+        """Start a transfer for a consumer's ticket; never blocks (the pair opens lazily)."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        req_id, block_ids, present, consumer = _parse_ticket(ticket)
+        if consumer["backend"] != self._backend.name:
+            raise ValueError(f"ticket is for a {consumer['backend']!r} backend, "
+                             f"this producer uses {self._backend.name!r}")
+        record = TransferRecord(req_id, Side.PRODUCER, block_ids, present,
+                                len(block_ids) - len(present))
+        record.topology = self.location.topology_to(Location.from_wire(consumer["location"]))
+        record.backend = self._backend.channel_backend_name(self.layout.device)
+        self._table.add(record)
+        if not self.layout.matches_wire(consumer["layout"]):
+            self._table.finish(record, TransferState.FAILED, FailReason.MISMATCH, Side.PRODUCER,
+                               f"consumer layout {consumer['layout']} differs from "
+                               f"{self.layout.to_wire()}")
+            return
+        if record.num_total == 0:
+            self._table.finish(record, TransferState.DONE, detail="every block was present")
+            return
+        link = self._link_to(consumer)
+        record.link = link
+        link.submit(("open", record))
+
+    def push(self, req_id: str, src_block_ids: Sequence[int], first_position: int | None = None) -> None:
+        """Queue blocks for consecutive positions (from ``first_position`` or where the last
+        push ended). Returns at once; a gap may only skip positions present at the consumer."""
+        record = self._table.get(req_id)
+        if record is None:
+            raise ValueError(f"no transfer {req_id!r}; call begin(ticket) first")
+        src = [int(b) for b in src_block_ids]
+        start = record.cursor if first_position is None else int(first_position)
+        if start < record.cursor:
+            raise ValueError(f"position {start} was already pushed (next is {record.cursor})")
+        if any(p not in record.present for p in range(record.cursor, start)):
+            raise ValueError(f"positions {record.cursor}..{start - 1} skipped but not present "
+                             "at the consumer")
+        end = start + len(src)
+        if end > len(record.block_ids):
+            raise ValueError(f"{end} blocks pushed, the reservation has {len(record.block_ids)}")
+        record.cursor = end
+        if record.state.is_terminal or record.link is None:
+            return  # the caller learns why from poll()
+        keep = [(p, s) for p, s in zip(range(start, end), src, strict=True)
+                if p not in record.present]
+        if not keep:
+            return
+        record.last_progress = time.monotonic()
+        if record.link.try_inline(record, keep):
+            return
+        event = None
+        if self.layout.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()  # the blocks are final on the caller's current stream
+        record.link.submit(("blocks", record, keep, event))
+
+    def poll(self, req_id: str) -> TransferStatus | None:
+        return self._table.status(req_id)
+
+    def abort(self, req_id: str) -> bool:
+        record = self._table.get(req_id)
+        if record is None or not self._table.finish(
+            record, TransferState.ABORTED, side=Side.PRODUCER, detail="aborted by the producer"
+        ):
+            return False
+        if record.link is not None:
+            record.link.submit(("end", record, wire.End(req_id, TransferState.ABORTED,
+                                                        side=Side.PRODUCER,
+                                                        detail="aborted by the producer")))
+        return True
+
+    def forget(self, req_id: str) -> TransferStatus | None:
+        return self._table.forget(req_id)
+
+    def drain_stats(self) -> list[TransferStats]:
+        return self._table.drain_stats()
+
+    def peers(self) -> list[str]:
+        """Consumer endpoint ids with an open (or opening) pair group."""
+        with self._links_lock:
+            return list(self._links)
+
+    def disconnect(self, consumer_id: str) -> bool:
+        """Tear down the pair to one consumer (its live transfers are aborted)."""
+        with self._links_lock:
+            link = self._links.get(consumer_id)
+        if link is None:
+            return False
+        for record in self._table.live():
+            if record.link is link:
+                self.abort(record.req_id)
+        link.close()
+        link.join(timeout=2)
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.stop()
+        with self._links_lock:
+            links = list(self._links)
+        for consumer_id in links:
+            self.disconnect(consumer_id)
+        self._backend.shutdown()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @property
+    def table(self) -> TransferTable:
+        return self._table
+
+    def _link_to(self, consumer: dict[str, Any]) -> ProducerLink:
+        with self._links_lock:
+            link = self._links.get(consumer["endpoint_id"])
+            if link is None or link.dead:
+                link = ProducerLink(self, consumer)
+                self._links[consumer["endpoint_id"]] = link
+                link.start()
+            return link
+
+    def _drop_link(self, link: ProducerLink) -> None:
+        with self._links_lock:
+            if self._links.get(link.consumer_id) is link:
+                del self._links[link.consumer_id]
+
+    def _on_overdue(self, record: TransferRecord) -> None:
+        if record.state is TransferState.PENDING:
+            side, detail = Side.PRODUCER, "no block was pushed within the start timeout"
+        elif record.cursor < len(record.block_ids):
+            side, detail = Side.PRODUCER, "the producer pushed no block within the stall timeout"
+        else:
+            side, detail = Side.CONSUMER, "the consumer did not confirm within the stall timeout"
+        if self._table.finish(record, TransferState.FAILED, FailReason.TIMEOUT, side, detail):
+            if record.link is not None:
+                record.link.submit(("end", record, wire.End(
+                    record.req_id, TransferState.FAILED, FailReason.TIMEOUT, side, detail)))
+
+
+def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], dict[str, Any]]:
+    if not isinstance(ticket, dict):
+        raise ValueError(f"ticket must be a dict, got {type(ticket).__name__}")
+    req_id, block_ids = ticket.get("req_id"), ticket.get("block_ids")
+    present, consumer = ticket.get("present", []), ticket.get("consumer")
+    if not isinstance(req_id, str) or not req_id:
+        raise ValueError("ticket req_id must be a non-empty string")
+    if not isinstance(block_ids, list) or not block_ids or not all(
+        isinstance(b, int) and b >= 0 for b in block_ids
+    ):
+        raise ValueError("ticket block_ids must be a non-empty list of non-negative ints")
+    if not isinstance(present, list) or not all(
+        isinstance(p, int) and 0 <= p < len(block_ids) for p in present
+    ):
+        raise ValueError("ticket present must list positions into block_ids")
+    if not isinstance(consumer, dict) or not all(
+        k in consumer for k in ("endpoint_id", "backend", "server", "location", "layout")
+    ):
+        raise ValueError("ticket consumer must be a consumer's address() dict")
+    return req_id, list(block_ids), frozenset(present), consumer

@@ -1,0 +1,243 @@
+"""Per-request transfer records, the table that owns them, and shared helpers of both sides.
+
+A record's state only moves forward (PENDING -> TRANSFERRING -> terminal) and the first
+terminal state wins: :meth:`TransferTable.finish` refuses to overwrite one. Ending a record
+takes its ``io_lock`` first, so a write (consumer) or read (producer) of its blocks that is in
+progress completes before the state turns terminal, and none starts afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtransfer.state import (
+    FailReason,
+    Side,
+    TopologyClass,
+    TransferConfig,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
+
+
+@dataclass(slots=True)
+class TransferRecord:
+    req_id: str
+    role: Side
+    block_ids: list[int]  # the consumer's slots, in prompt order
+    present: frozenset[int]  # positions already valid at the consumer (never sent)
+    num_total: int  # blocks that travel
+    created: float = field(default_factory=time.monotonic)
+    state: TransferState = TransferState.PENDING
+    reason: FailReason | None = None
+    failed_side: Side | None = None
+    detail: str = ""
+    link: Any = None  # the pair link serving it, once known
+    topology: TopologyClass | None = None
+    backend: str = ""
+    num_done: int = 0
+    num_bytes: int = 0
+    started: float | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+    cursor: int = 0  # producer: next position push() will fill
+    done_positions: set[int] = field(default_factory=set)  # consumer: positions written
+    io_lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def mark_progress(self, num_blocks: int, num_bytes: int) -> None:
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        if self.state is TransferState.PENDING:
+            self.state = TransferState.TRANSFERRING
+        self.num_done += num_blocks
+        self.num_bytes += num_bytes
+        self.last_progress = now
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(
+            state=self.state,
+            reason=self.reason,
+            failed_side=self.failed_side,
+            detail=self.detail,
+            num_blocks_done=self.num_done,
+            num_blocks_total=self.num_total,
+        )
+
+
+class TransferTable:
+    """Records by request id for one endpoint, plus the finished transfers' stats."""
+
+    def __init__(self, role: Side, max_stats: int = 10_000) -> None:
+        self.role = role
+        self.lock = threading.RLock()
+        self._records: dict[str, TransferRecord] = {}
+        self._stats: deque[TransferStats] = deque(maxlen=max_stats)
+
+    def add(self, record: TransferRecord) -> None:
+        with self.lock:
+            old = self._records.get(record.req_id)
+            if old is not None:
+                what = "live" if not old.state.is_terminal else "finished (forget it first)"
+                raise ValueError(f"transfer {record.req_id!r} already exists and is {what}")
+            self._records[record.req_id] = record
+
+    def get(self, req_id: str) -> TransferRecord | None:
+        with self.lock:
+            return self._records.get(req_id)
+
+    def live(self) -> list[TransferRecord]:
+        with self.lock:
+            return [r for r in self._records.values() if not r.state.is_terminal]
+
+    def status(self, req_id: str) -> TransferStatus | None:
+        with self.lock:
+            record = self._records.get(req_id)
+            return None if record is None else record.status()
+
+    def forget(self, req_id: str) -> TransferStatus | None:
+        with self.lock:
+            record = self._records.get(req_id)
+            if record is None:
+                return None
+            if not record.state.is_terminal:
+                raise ValueError(f"transfer {req_id!r} is still {record.state.value}; abort it first")
+            del self._records[req_id]
+            return record.status()
+
+    def finish(
+        self,
+        record: TransferRecord,
+        state: TransferState,
+        reason: FailReason | None = None,
+        side: Side | None = None,
+        detail: str = "",
+    ) -> bool:
+        """Move ``record`` to a terminal state; False when it already was terminal."""
+        with record.io_lock, self.lock:
+            if record.state.is_terminal:
+                return False
+            record.state, record.reason, record.failed_side = state, reason, side
+            record.detail = detail
+            if state is TransferState.DONE:
+                record.num_done = record.num_total
+            now = time.monotonic()
+            started = record.started if record.started is not None else now
+            self._stats.append(
+                TransferStats(
+                    req_id=record.req_id,
+                    role=self.role,
+                    topology=record.topology or TopologyClass.SAME_NODE,
+                    backend=record.backend,
+                    state=state,
+                    num_blocks=record.num_done if state is not TransferState.DONE
+                    else record.num_total,
+                    num_skipped_blocks=len(record.present),
+                    num_bytes=record.num_bytes,
+                    queued_s=started - record.created,
+                    duration_s=now - started,
+                    end_time=time.time(),
+                )
+            )
+            return True
+
+    def drain_stats(self) -> list[TransferStats]:
+        with self.lock:
+            out = list(self._stats)
+            self._stats.clear()
+            return out
+
+    def overdue(self, config: TransferConfig) -> list[TransferRecord]:
+        now = time.monotonic()
+        with self.lock:
+            return [
+                r
+                for r in self._records.values()
+                if (r.state is TransferState.PENDING and now - r.created > config.start_timeout_s)
+                or (
+                    r.state is TransferState.TRANSFERRING
+                    and now - r.last_progress > config.stall_timeout_s
+                )
+            ]
+
+
+class StagingPool:
+    """Reused contiguous byte buffers on the pool's device (gloo pays per allocation too)."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self._device, self._capacity = device, capacity
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        while self._free:
+            buf = self._free.pop()
+            if buf.numel() >= nbytes:
+                return buf
+        return torch.empty(max(nbytes, self._capacity), dtype=torch.uint8, device=self._device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+
+def as_blocks(buf: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """View the first ``nbytes`` of a byte buffer as a block group tensor."""
+    return buf[:nbytes].view(dtype).view(shape)
+
+
+class Watchdog:
+    """One thread per endpoint that fails transfers past their timeouts."""
+
+    def __init__(self, table: TransferTable, config: TransferConfig, on_overdue: Any) -> None:
+        self._table, self._config, self._on_overdue = table, config, on_overdue
+        self._stop = threading.Event()
+        interval = min(config.stall_timeout_s, config.start_timeout_s) / 5
+        self._interval = max(0.01, min(0.5, interval))
+        self._thread = threading.Thread(target=self._run, name="kvx-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            for record in self._table.overdue(self._config):
+                # A record whose blocks are being written right now is checked next round
+                # (that receive has its own timeout); others are not held up behind it.
+                if record.io_lock.acquire(blocking=False):
+                    try:
+                        self._on_overdue(record)
+                    finally:
+                        record.io_lock.release()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(offset, first_id, length)`` for each run of consecutive ids (pools hand out runs)."""
+    runs: list[tuple[int, int, int]] = []
+    for offset, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            off, first, length = runs[-1]
+            runs[-1] = (off, first, length + 1)
+        else:
+            runs.append((offset, block, 1))
+    return runs
+
+
+def gather_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """``out[:, :, i] = kv[:, :, block_ids[i]]`` as one slice copy per run of ids (several
+    times faster than index_select/index_copy_ on CPU for the usual runs)."""
+    for off, first, n in block_runs(block_ids):
+        out[:, :, off:off + n].copy_(kv[:, :, first:first + n])
+
+
+def scatter_blocks(kv: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """``kv[:, :, block_ids[i]] = data[:, :, i]``, one slice copy per run of ids."""
+    for off, first, n in block_runs(block_ids):
+        kv[:, :, first:first + n].copy_(data[:, :, off:off + n])

@@ -1,0 +1,276 @@
+"""The protocol over the in-process mock backend: the same endpoints, states and failures as
+over torch.distributed, for the layers above (worker actors) to test against."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import (
+    FailReason,
+    KVConsumer,
+    KVLayout,
+    KVProducer,
+    Location,
+    MockBackend,
+    MockHub,
+    Side,
+    TensorKVStore,
+    TopologyClass,
+    TransferConfig,
+    TransferState,
+)
+from kvtransfer.testing import wait_terminal
+
+torch.set_num_threads(1)
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype=torch.float32,
+                  device=torch.device("cpu"))
+WAIT = 20.0
+
+
+def make_pair(config: TransferConfig | None = None, *, producer_loc=None, consumer_loc=None):
+    hub = MockHub()
+    cfg = config or TransferConfig(stall_timeout_s=1.5, start_timeout_s=2.5,
+                                   part_bytes=2 * LAYOUT.bytes_per_block)
+    src = TensorKVStore(LAYOUT, 32, fill="random")
+    dst = TensorKVStore(LAYOUT, 32)
+    consumer = KVConsumer(dst, location=consumer_loc or Location("n0", "cpu"), config=cfg,
+                          backend=MockBackend(hub))
+    producer = KVProducer(src, location=producer_loc or Location("n0", "cpu"), config=cfg,
+                          backend=MockBackend(hub))
+    return src, dst, consumer, producer
+
+
+@pytest.fixture
+def pair():
+    src, dst, consumer, producer = make_pair()
+    yield src, dst, consumer, producer
+    producer.close()
+    consumer.close()
+
+
+def test_blocks_stream_into_the_reserved_slots(pair):
+    src, dst, consumer, producer = pair
+    ticket = consumer.expect("r1", [4, 9, 2, 7, 11])
+    assert msgpack.unpackb(msgpack.packb(ticket)) == ticket  # control plane carries it as is
+    producer.begin(ticket)
+    assert producer.poll("r1").state is TransferState.PENDING
+    producer.push("r1", [0, 1])
+    producer.push("r1", [5, 6, 3])
+    assert wait_terminal(producer, "r1", WAIT).state is TransferState.DONE
+    status = consumer.poll("r1")
+    assert (status.state, status.num_blocks_done, status.num_blocks_total) == (TransferState.DONE, 5, 5)
+    assert torch.equal(dst.read_blocks([4, 9, 2, 7, 11]), src.read_blocks([0, 1, 5, 6, 3]))
+
+
+def test_checksummed_parts_arrive_intact():
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=LAYOUT.bytes_per_block, checksum=True)
+    src, dst, consumer, producer = make_pair(cfg)
+    try:
+        producer.begin(consumer.expect("r", [1, 2, 3]))
+        producer.push("r", [7, 8, 9])
+        assert wait_terminal(consumer, "r", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks([1, 2, 3]), src.read_blocks([7, 8, 9]))
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_prefix_hits_at_the_consumer_are_not_sent(pair):
+    src, dst, consumer, producer = pair
+    producer.begin(consumer.expect("r2", [1, 2, 3, 4], present=[0, 1]))
+    producer.push("r2", [20, 21, 22, 23])  # the whole prompt, as the prefill engine reports it
+    assert wait_terminal(consumer, "r2", WAIT).state is TransferState.DONE
+    assert torch.equal(dst.read_blocks([3, 4]), src.read_blocks([22, 23]))
+    assert not dst.read_blocks([1, 2]).any()
+    [stats] = [s for s in producer.drain_stats() if s.req_id == "r2"]
+    assert (stats.num_blocks, stats.num_skipped_blocks) == (2, 2)
+    assert stats.num_bytes == 2 * LAYOUT.bytes_per_block
+
+
+def test_push_may_skip_only_present_positions(pair):
+    src, dst, consumer, producer = pair
+    producer.begin(consumer.expect("r3", [1, 2, 3, 4], present=[0, 1]))
+    producer.push("r3", [22, 23], first_position=2)  # the producer's own prefix hits skipped
+    assert wait_terminal(consumer, "r3", WAIT).state is TransferState.DONE
+    producer.begin(consumer.expect("r4", [5, 6, 7], present=[0]))
+    with pytest.raises(ValueError, match="not present"):
+        producer.push("r4", [1], first_position=2)
+    with pytest.raises(ValueError, match="reservation has 3"):
+        producer.push("r4", [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="begin"):
+        producer.push("nope", [1])
+
+
+def test_fully_present_prompt_is_done_without_a_transfer(pair):
+    _, _, consumer, producer = pair
+    ticket = consumer.expect("r5", [1, 2], present=[0, 1])
+    assert consumer.poll("r5").state is TransferState.DONE
+    producer.begin(ticket)
+    assert producer.poll("r5").state is TransferState.DONE
+    assert producer.peers() == []  # no group was opened for it
+
+
+def test_bad_expect_and_ticket_are_refused(pair):
+    _, _, consumer, producer = pair
+    with pytest.raises(ValueError):
+        consumer.expect("r6", [1, 1])
+    with pytest.raises(ValueError):
+        consumer.expect("r6", [1, 2], present=[2])
+    consumer.expect("r6", [1, 2])
+    with pytest.raises(ValueError, match="already exists"):
+        consumer.expect("r6", [3])
+    with pytest.raises(ValueError):
+        producer.begin({"req_id": "r6"})
+    with pytest.raises(ValueError):
+        producer.begin({**consumer.expect("r7", [4]), "block_ids": ["x"]})
+
+
+def test_abort_from_either_side_mirrors_on_the_other(pair):
+    _, dst, consumer, producer = pair
+    producer.begin(consumer.expect("a1", [1, 2, 3]))
+    producer.push("a1", [5])
+    assert consumer.abort("a1")
+    status = wait_terminal(producer, "a1", WAIT)
+    assert (status.state, status.failed_side) == (TransferState.ABORTED, Side.CONSUMER)
+    assert not consumer.abort("a1")  # already terminal
+    producer.begin(consumer.expect("a2", [4, 5]))
+    assert producer.abort("a2")
+    status = wait_terminal(consumer, "a2", WAIT)
+    assert (status.state, status.failed_side) == (TransferState.ABORTED, Side.PRODUCER)
+    assert not dst.read_blocks([4, 5]).any()
+
+
+def test_forget_needs_a_terminal_state(pair):
+    _, _, consumer, producer = pair
+    consumer.expect("f1", [1])
+    with pytest.raises(ValueError, match="abort it first"):
+        consumer.forget("f1")
+    consumer.abort("f1")
+    assert consumer.forget("f1").state is TransferState.ABORTED
+    assert consumer.poll("f1") is None
+    consumer.expect("f1", [1])  # the id can be reused once forgotten
+
+
+def test_stalled_producer_times_out_on_both_sides(pair):
+    _, _, consumer, producer = pair
+    producer.begin(consumer.expect("s1", [1, 2, 3]))
+    producer.push("s1", [4])
+    c = wait_terminal(consumer, "s1", WAIT)
+    p = wait_terminal(producer, "s1", WAIT)
+    assert (c.state, c.reason, c.failed_side) == (TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER)
+    assert (p.state, p.reason, p.failed_side) == (TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER)
+
+
+def test_producer_that_never_starts_times_out(pair):
+    _, _, consumer, _ = pair
+    consumer.expect("s2", [1])
+    status = wait_terminal(consumer, "s2", WAIT)
+    assert (status.state, status.reason) == (TransferState.FAILED, FailReason.TIMEOUT)
+    assert "start" in status.detail
+
+
+def test_consumer_leaving_ends_the_producer_side():
+    _, _, consumer, producer = make_pair()
+    try:
+        producer.begin(consumer.expect("l1", [1, 2]))
+        producer.push("l1", [3])
+        assert wait_terminal(consumer, "l1", 0.2).num_blocks_done <= 1
+        consumer.close()
+        status = wait_terminal(producer, "l1", WAIT)
+        assert status.state is TransferState.ABORTED and status.failed_side is Side.CONSUMER
+        assert producer.peers() == []
+    finally:
+        producer.close()
+
+
+def test_unknown_request_is_refused_on_both_ends(pair):
+    _, _, consumer, producer = pair
+    ticket = consumer.expect("u1", [1])
+    producer.begin({**ticket, "req_id": "u-ghost"})
+    status = wait_terminal(producer, "u-ghost", WAIT)
+    assert (status.state, status.reason) == (TransferState.FAILED, FailReason.UNKNOWN_REQUEST)
+
+
+def test_layout_mismatch_fails_at_begin(pair):
+    _, _, consumer, _ = pair
+    other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2,
+                     dtype=torch.bfloat16, device=torch.device("cpu"))
+    producer = KVProducer(TensorKVStore(other, 4), location=Location("n0"),
+                          backend=MockBackend(MockHub()))
+    try:
+        producer.begin(consumer.expect("m1", [1]))
+        status = producer.poll("m1")
+        assert (status.state, status.reason) == (TransferState.FAILED, FailReason.MISMATCH)
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize(
+    ("producer_loc", "consumer_loc", "topology"),
+    [
+        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:0", "d0"), TopologyClass.SAME_DEVICE),
+        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:1", "d0"), TopologyClass.SAME_NVLINK_DOMAIN),
+        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:4", "d1"), TopologyClass.SAME_NODE),
+        (Location("n0", "cpu"), Location("n1", "cpu"), TopologyClass.CROSS_NODE),
+    ],
+)
+def test_every_transfer_records_its_topology_bytes_and_duration(producer_loc, consumer_loc, topology):
+    src, dst, consumer, producer = make_pair(producer_loc=producer_loc, consumer_loc=consumer_loc)
+    try:
+        producer.begin(consumer.expect("t1", [1, 2, 3]))
+        producer.push("t1", [4, 5, 6])
+        assert wait_terminal(producer, "t1", WAIT).state is TransferState.DONE
+        for stats in (producer.drain_stats(), consumer.drain_stats()):
+            [record] = stats
+            assert record.topology is topology
+            assert record.num_bytes == 3 * LAYOUT.bytes_per_block and record.duration_s >= 0
+            assert record.backend == "mock" and record.state is TransferState.DONE
+            assert msgpack.unpackb(msgpack.packb(record.to_dict()))["topology"] == topology.value
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_one_producer_serves_many_consumers():
+    hub = MockHub()
+    src = TensorKVStore(LAYOUT, 16, fill="random")
+    producer = KVProducer(src, location=Location("n0"), backend=MockBackend(hub))
+    stores = [TensorKVStore(LAYOUT, 8) for _ in range(3)]
+    consumers = [KVConsumer(store, location=Location("n0"), backend=MockBackend(hub))
+                 for store in stores]
+    try:
+        for i, consumer in enumerate(consumers):
+            producer.begin(consumer.expect(f"m{i}", [1, 2]))
+            producer.push(f"m{i}", [i, i + 5])
+        for i, consumer in enumerate(consumers):
+            assert wait_terminal(consumer, f"m{i}", WAIT).state is TransferState.DONE
+            assert torch.equal(stores[i].read_blocks([1, 2]), src.read_blocks([i, i + 5]))
+        assert len(producer.peers()) == 3
+        assert producer.disconnect(consumers[0].endpoint_id)
+        assert len(producer.peers()) == 2
+    finally:
+        producer.close()
+        for consumer in consumers:
+            consumer.close()
+
+
+def test_runs_of_consecutive_blocks_go_pool_to_pool():
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=2 * LAYOUT.bytes_per_block,
+                         direct_min_bytes=1)
+    src, dst, consumer, producer = make_pair(cfg)
+    try:
+        # positions 0..3 are a run on both sides (direct), then scattered slots (staged)
+        ticket = consumer.expect("d1", [10, 11, 12, 13, 3, 8, 5, 6])
+        producer.begin(ticket)
+        producer.push("d1", [20, 21, 22, 23, 1, 2])
+        producer.push("d1", [7, 9])
+        assert wait_terminal(producer, "d1", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks([10, 11, 12, 13, 3, 8, 5, 6]),
+                           src.read_blocks([20, 21, 22, 23, 1, 2, 7, 9]))
+        assert not dst.read_blocks([0, 1, 2, 4, 7, 9]).any()
+    finally:
+        producer.close()
+        consumer.close()

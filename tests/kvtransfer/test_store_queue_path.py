@@ -1,0 +1,82 @@
+"""The store-queue path (headers through the TCPStore, every part through the group), which
+NCCL uses because a posted receive would occupy its GPU; exercised here over gloo with
+``DistBackend(frames=False)`` on both ends."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer import DistBackend, FailReason, KVProducer, Location, TransferConfig, TransferState
+from kvtransfer.testing import PeerProcess, make_layout, seeded_store, wait_terminal
+
+torch.set_num_threads(1)
+
+LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
+CONFIG = {"stall_timeout_s": 2.0, "start_timeout_s": 15.0, "part_bytes": 2 * BLOCK_BYTES,
+          "direct_min_bytes": 4 * 2 * 8 * 4 * 3}  # runs of 3+ blocks go direct
+SOURCE = seeded_store(make_layout(LAYOUT), 32, seed=11)
+
+
+@pytest.fixture(scope="module")
+def endpoints():
+    peer = PeerProcess("consumer", LAYOUT, 32, config=CONFIG, frames=False)
+    producer = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+                          config=TransferConfig(**CONFIG), backend=DistBackend(frames=False))
+    yield peer, producer
+    producer.close()
+    peer.close()
+
+
+def received(peer: PeerProcess, ids: list[int]) -> np.ndarray:
+    raw = peer.call("read", block_ids=ids)["data"]
+    return np.frombuffer(raw, dtype=np.float32).reshape(2, 2, len(ids), 4, 2, 8)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_staged_and_direct_parts_through_store_headers(endpoints, checksum):
+    peer, producer = endpoints
+    endpoint = producer
+    if checksum:
+        endpoint = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+                              config=TransferConfig(**{**CONFIG, "checksum": True}),
+                              backend=DistBackend(frames=False))
+    try:
+        req = f"q-{checksum}"
+        slots = [1, 2, 3, 4, 9, 7, 12] if not checksum else [13, 14, 15, 16, 20, 18, 22]
+        ticket = peer.call("expect", req_id=req, block_ids=slots, present=[6])["ticket"]
+        endpoint.begin(ticket)
+        endpoint.push(req, [20, 21, 22, 23])
+        endpoint.push(req, [5, 6, 0])
+        assert wait_terminal(endpoint, req, 30).state is TransferState.DONE
+        np.testing.assert_array_equal(received(peer, slots[:6]),
+                                      SOURCE.read_blocks([20, 21, 22, 23, 5, 6]).numpy())
+        assert not received(peer, slots[6:]).any()
+    finally:
+        if endpoint is not producer:
+            endpoint.close()
+
+
+def test_refusal_and_abort_through_store_headers(endpoints):
+    peer, producer = endpoints
+    ticket = peer.call("expect", req_id="q-bad", block_ids=[25, 26])["ticket"]
+    forged = copy.deepcopy(ticket)
+    forged["block_ids"][1] = 27
+    producer.begin(forged)
+    producer.push("q-bad", [1, 2])
+    status = wait_terminal(producer, "q-bad", 30)
+    assert (status.state, status.reason) == (TransferState.FAILED, FailReason.MISMATCH)
+    assert not received(peer, [25, 26, 27]).any()
+    ticket = peer.call("expect", req_id="q-abort", block_ids=[28, 29])["ticket"]
+    producer.begin(ticket)
+    assert peer.call("abort", req_id="q-abort")["aborted"]
+    assert wait_terminal(producer, "q-abort", 30).state is TransferState.ABORTED
+    # the pair still works afterwards
+    ticket = peer.call("expect", req_id="q-after", block_ids=[30, 31])["ticket"]
+    producer.begin(ticket)
+    producer.push("q-after", [3, 4])
+    assert wait_terminal(producer, "q-after", 30).state is TransferState.DONE
