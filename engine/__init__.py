@@ -1,0 +1,132 @@
+"""Paged-KV model execution on one device (DESIGN §2, §3): torch and transformers, no Ray.
+
+Data flow of one ``LLMEngine.step()``::
+
+    waiting ──admit (prefix match + allocate all prompt blocks, or wait)──▶ running
+    running ──schedule (decodes first, then prefill chunks, token budget)──▶ one packed
+    forward over [1, total_tokens] (attention over block tables, engine.attention)
+    ──▶ sample the last position of every finished chunk ──▶ StepOutput per request
+
+Public API (stable; other packages call only these names)::
+
+    from engine import (EngineConfig, LLMEngine, SamplingParams, StepOutput, FinishReason,
+                        PromptTooLong, UnsupportedArchitecture, BlockPool, KVLayout, ReqState,
+                        BlockStored, BlockRemoved, hash_block_tokens, compute_block_hashes,
+                        load_model, SUPPORTED_ARCHITECTURES, default_model_path)
+
+    EngineConfig(model: str, dtype="auto"|"bfloat16"|"float32", device="cpu"|"cuda",
+                 block_size=16, num_kv_blocks=None, kv_cache_bytes=None,
+                 kv_cache_fraction=0.1,          # used when neither of the two above is set
+                 prefill_chunk_size=2048, max_num_batched_tokens=2048, max_num_seqs=64,
+                 enable_prefix_caching=True, max_model_len=None)   # frozen, validated
+
+    engine = LLMEngine(config)      # or LLMEngine(config, model=..., tokenizer=...) to reuse
+    engine.tokenizer, engine.pool, engine.max_model_len, engine.model, engine.dtype
+    engine.add_request(req_id: str, prompt_token_ids, params: SamplingParams,
+                       *, prefill_only=False) -> None
+        # raises PromptTooLong (nothing allocated) / ValueError (bad params, duplicate id)
+    engine.step() -> list[StepOutput]
+    StepOutput(req_id, new_token_ids, logprobs, finished, finish_reason: FinishReason | None,
+               stop_reason: int | str | None, prefill_done: bool, num_computed_tokens: int,
+               ready_block_ids: list[int])
+        # FinishReason is a str enum: FinishReason.STOP == "stop", FinishReason.LENGTH == "length".
+        # ready_block_ids: blocks whose KV became final in this step (full blocks, plus the
+        # last partial prompt block when the prompt's prefill completes); in block-table order.
+        # After a swap-in or a recompute the content sits in new blocks and is reported again.
+    engine.generate(prompts: list[list[int]], params) -> list[list[int]]   # convenience loop
+
+    # Prefill side of disaggregation: a prefill_only request prefills, samples its first token
+    # (StepOutput.prefill_done=True, new_token_ids=[first]; finished=True too when that token
+    # already ends it), then keeps its blocks, even when finished, until:
+    engine.block_ids(req_id) -> list[int]          # its block table (prompt blocks)
+    engine.release(req_id) -> None                 # frees them (full blocks stay prefix-cached)
+    # Decode side:
+    engine.reserve(req_id, num_tokens, *, prompt_token_ids=None) -> list[int] | None
+        # all-or-nothing; with prompt_token_ids the prompt's cached prefix blocks are reused
+        # and come first in the list; engine.num_reserved_cached_blocks(req_id) says how many
+        # (those need no transfer). The reservation holds blocks until add_prefilled_request
+        # or release(req_id).
+    engine.add_prefilled_request(req_id, prompt_token_ids, first_token_id, params,
+                                 block_ids) -> None   # block_ids = the reserved list, KV written
+    engine.abort(req_id) -> None                       # any state; frees its blocks
+    engine.swap_out(req_id) -> bool    # running request's KV to host memory (pinned on CUDA)
+    engine.swap_in(req_id) -> bool     # False when the pool has no room (nothing changes)
+    engine.preempt_recompute(req_id) -> bool   # frees blocks; re-prefills prompt+output later
+    engine.num_free_blocks, engine.num_total_blocks, engine.has_unfinished()
+    engine.num_running, engine.num_waiting, engine.request_state(req_id) -> ReqState | None
+    engine.num_prefix_hit_tokens, engine.num_preemptions     # cumulative counters
+    # Without a caller's decision, a decode that finds no free block recompute-preempts the
+    # most recently admitted running request (the cluster normally preempts first).
+    engine.drain_events() -> list[BlockStored | BlockRemoved]   # same as engine.pool's
+
+    SamplingParams(max_tokens=16, temperature=0.0 (greedy), top_p=1.0, top_k=0 (off),
+                   seed=None, stop_token_ids=(), stop=() (strings), ignore_eos=False,
+                   logprobs=False) # True: log-softmax of the raw logits at each chosen token
+
+    # Store interface used by kvtransfer (structural; contracts.md):
+    pool.kv_layout() -> KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device,
+                                 num_blocks)
+    pool.kv_tensor() -> Tensor[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    pool.read_blocks(block_ids) -> Tensor[num_layers, 2, n, block_size, H, D]  (contiguous copy)
+    pool.write_blocks(block_ids, data) -> None
+    pool.allocate(n) -> list[int] | None, pool.free(block_ids), pool.drain_events(), ...
+    BlockStored(block_hashes: list[int], parent_hash: int | None), BlockRemoved(block_hashes)
+        # both have .to_dict() for msgpack
+    hash_block_tokens(parent_hash: int | None, token_ids) -> int
+        # blake2b(digest_size=8) over parent (8 bytes little-endian, 0 for the first block)
+        # followed by the token ids as uint32 little-endian; the digest read little-endian.
+    compute_block_hashes(token_ids, block_size) -> list[int]   # chained, full blocks only
+
+    load_model(path, dtype="auto", device="cpu") -> (model, tokenizer)
+    default_model_path() -> pathlib.Path   # where `tierserve prepare-model` puts SmolLM2-135M
+
+    # Tests of other packages: engine.testing.make_tiny_checkpoint(family, dir) -> Path
+    # (family in "llama" | "qwen2" | "mistral"; fixed seed; offline byte-level tokenizer).
+
+CPU threads: the engine uses torch's thread pool as set by the caller. When several engine
+processes (or other work) share a few cores, give each ``torch.set_num_threads(1)``: with
+oversubscribed cores OpenMP spin-waits made 2-thread decode steps ~10x slower than 1 thread.
+
+CLI: ``tierserve prepare-model`` (engine.prepare_model; needs the ``accelerate`` package for
+transformers' GGUF loader), ``tierserve bench-engine --json OUT`` (engine.bench; see its
+docstring for the sections and flags, e.g. ``--rss-seconds 30`` for a quick run).
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVLayout,
+    compute_block_hashes,
+    hash_block_tokens,
+)
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import PromptTooLong, UnsupportedArchitecture
+from engine.model_loader import SUPPORTED_ARCHITECTURES, load_model
+from engine.outputs import FinishReason, StepOutput
+from engine.prepare_model import default_model_path
+from engine.requests import ReqState
+from engine.sampling import SamplingParams
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineConfig",
+    "FinishReason",
+    "KVLayout",
+    "LLMEngine",
+    "PromptTooLong",
+    "ReqState",
+    "SamplingParams",
+    "StepOutput",
+    "UnsupportedArchitecture",
+    "compute_block_hashes",
+    "default_model_path",
+    "hash_block_tokens",
+    "load_model",
+]

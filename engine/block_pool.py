@@ -1,0 +1,324 @@
+"""The paged KV block pool of one device (DESIGN §3, contracts.md).
+
+Layout: one preallocated tensor ``kv[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (dim 1: 0 = K, 1 = V) in the model dtype. A block is ``kv[:, :, block_id]``.
+
+Every block is in exactly one of three states:
+  * owned: ``ref_count > 0`` (held by one or more requests; shared prefix blocks by several);
+  * cached-free: ``ref_count == 0`` with a hash: reusable by a prefix hit until evicted;
+  * free: ``ref_count == 0`` without a hash.
+Free and cached-free blocks share one LRU queue (an insertion-ordered dict, O(1) for every
+operation): ``allocate`` takes from its front, evicting the cached content of what it takes
+(``BlockRemoved``); ``free`` appends to its back; a prefix hit on a cached-free block takes it
+out of the queue. Hashing a full block publishes it (``BlockStored``). The caller drains the
+events (``drain_events``) and forwards them to whoever mirrors the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """A full block's identity: blake2b-64 over the parent's hash and the block's tokens."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape and placement of the pool tensor (the attributes kvtransfer's KVLayout has)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    num_blocks: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks whose content became a shareable prefix; ``parent_hash`` chains the first one."""
+
+    block_hashes: list[int]
+    parent_hash: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"type": "stored", "block_hashes": self.block_hashes, "parent_hash": self.parent_hash}
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Cached blocks whose content was evicted (the hashes no longer resolve on this pool)."""
+
+    block_hashes: list[int]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"type": "removed", "block_hashes": self.block_hashes}
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` now: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class BlockPool:
+    """Preallocated KV blocks with reference counts, prefix hashes, LRU reuse and events."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        enable_caching: bool = True,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        device = torch.device(device)
+        self._layout = KVLayout(
+            num_layers, num_kv_heads, head_dim, block_size, dtype, device, num_blocks
+        )
+        # zeros (not empty): every page is touched now, so resident memory stays flat later.
+        self._kv = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        self.enable_caching = enable_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._events: list[BlockEvent] = []
+
+    @staticmethod
+    def blocks_for_budget(
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,
+        budget_bytes: int | None = None,
+        fraction: float | None = None,
+    ) -> int:
+        """Number of blocks for a budget: a count, bytes, or a fraction of free memory."""
+        if num_blocks is not None:
+            return num_blocks
+        probe = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device, 1)
+        if budget_bytes is None:
+            if fraction is None:
+                raise ValueError("give num_blocks, budget_bytes or fraction")
+            budget_bytes = int(available_memory_bytes(device) * fraction)
+        count = budget_bytes // probe.bytes_per_block
+        if count < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds no block ({probe.bytes_per_block} bytes each)"
+            )
+        return int(count)
+
+    # ---- store interface (kvtransfer, swap) ----
+
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    def kv_tensor(self) -> torch.Tensor:
+        return self._kv
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A contiguous copy ``[num_layers, 2, n, block_size, H, D]`` of the blocks, in order."""
+        index = self._index(block_ids)
+        return self._kv.index_select(2, index)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Overwrite the blocks with ``data`` (the shape ``read_blocks`` returns)."""
+        layout = self._layout
+        expected = (
+            layout.num_layers, 2, len(block_ids), layout.block_size, layout.num_kv_heads,
+            layout.head_dim,
+        )
+        if tuple(data.shape) != expected:
+            raise ValueError(f"write_blocks: data shape {tuple(data.shape)}, expected {expected}")
+        index = self._index(block_ids)
+        self._kv.index_copy_(2, index, data.to(device=self._kv.device, dtype=self._kv.dtype))
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        n = self._layout.num_blocks
+        for b in block_ids:
+            if not 0 <= b < n:
+                raise ValueError(f"block id {b} out of range [0, {n})")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self._kv.device)
+
+    # ---- accounting ----
+
+    @property
+    def num_blocks(self) -> int:
+        return self._layout.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._layout.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now (free plus cached-free)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published prefix (owned or cached-free)."""
+        return len(self._hash_to_block)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._block_hashes[block_id]
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` fresh blocks (ref count 1), or None when there are not that many."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks > len(self._free):
+            return None
+        block_ids: list[int] = []
+        evicted: list[int] = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block_hash = self._block_hashes[block_id]
+            if block_hash is not None:
+                self._block_hashes[block_id] = None
+                del self._hash_to_block[block_hash]
+                evicted.append(block_hash)
+            self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        if evicted:
+            self._events.append(BlockRemoved(evicted))
+        return block_ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; unreferenced ones join the LRU queue's back.
+
+        ``block_ids`` is a block table (prefix first); its tail is queued first, so a request's
+        last blocks are evicted before its shared prefix.
+        """
+        for block_id in reversed(block_ids):
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                if self._block_hashes[block_id] is None:
+                    # No content worth keeping: reuse before any cached block.
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)
+                else:
+                    self._free[block_id] = None
+
+    def lookup_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``block_hashes``; takes no reference."""
+        if not self.enable_caching:
+            return []
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each block (cached-free ones leave the LRU queue)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def cache_blocks(
+        self, block_ids: Sequence[int], block_hashes: Sequence[int], parent_hash: int | None
+    ) -> None:
+        """Publish full owned blocks under their chained hashes (one ``BlockStored`` per run).
+
+        A hash already held by another block keeps that block; this one stays private.
+        """
+        if not self.enable_caching:
+            return
+        run: list[int] = []
+        run_parent = parent_hash
+        previous = parent_hash
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
+                self._block_hashes[block_id] = block_hash
+                self._hash_to_block[block_hash] = block_id
+                if not run:
+                    run_parent = previous
+                run.append(block_hash)
+            elif run:
+                self._events.append(BlockStored(run, run_parent))
+                run = []
+            previous = block_hash
+        if run:
+            self._events.append(BlockStored(run, run_parent))
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent (tests and idle checks)."""
+        for block_id in range(self.num_blocks):
+            count = self._ref_counts[block_id]
+            if count < 0:
+                raise AssertionError(f"block {block_id} has ref count {count}")
+            if (count == 0) != (block_id in self._free):
+                raise AssertionError(f"block {block_id}: ref count {count} vs free queue")
+            block_hash = self._block_hashes[block_id]
+            if block_hash is not None and self._hash_to_block.get(block_hash) != block_id:
+                raise AssertionError(f"block {block_id}: hash map out of step")
+        if len(self._hash_to_block) != sum(h is not None for h in self._block_hashes):
+            raise AssertionError("hash map holds blocks that have no hash")

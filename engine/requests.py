@@ -1,0 +1,81 @@
+"""The engine's own view of a request: tokens, KV progress, blocks, and its local state.
+
+Life of a request inside one engine (the cluster's state machine lives in scheduler/):
+
+1. WAITING: queued, holds no blocks (new, or preempted for recompute).
+2. RUNNING: holds blocks; each step computes its next chunk, or one decode token.
+3. PREFILLED: a prefill_only request whose prompt is done; holds its blocks until release.
+4. SWAPPED: its KV sits in host memory; swap_in brings it back to RUNNING.
+5. RESERVED: decode side of disaggregation: blocks reserved, KV arriving by transfer;
+   add_prefilled_request makes it RUNNING.
+Finished, aborted and released requests are forgotten (their blocks are freed).
+
+All tokens (prompt, then outputs) sit in ``token_ids``; ``num_computed`` of them have KV in the
+pool. A step computes tokens ``[num_computed, ...)``; when it reaches ``len(token_ids)`` the
+last position is sampled. Recompute is therefore just ``num_computed = 0``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import hash_block_tokens
+from engine.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREFILLED = "prefilled"
+    SWAPPED = "swapped"
+    RESERVED = "reserved"
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    prefill_only: bool = False
+    state: ReqState = ReqState.WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks of token_ids computed so far (published or not).
+    block_hashes: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0  # blocks of block_ids offered to the prefix cache
+    num_ready_reported: int = 0  # blocks already reported in StepOutput.ready_block_ids
+    num_reserved_cached: int = 0  # RESERVED: leading blocks that came from the prefix cache
+    host_kv: torch.Tensor | None = None  # SWAPPED: the blocks' content in host memory
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def full_block_hashes(self, block_size: int, upto_tokens: int) -> list[int]:
+        """Extend and return the chained hashes of the full blocks within ``upto_tokens``."""
+        hashes = self.block_hashes
+        num_full = upto_tokens // block_size
+        while len(hashes) < num_full:
+            j = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent, self.token_ids[j * block_size : (j + 1) * block_size])
+            )
+        return hashes[:num_full]
+
+    def reset_for_recompute(self) -> None:
+        self.state = ReqState.WAITING
+        self.num_computed = 0
+        self.block_ids = []
+        self.num_published_blocks = 0
+        self.num_ready_reported = 0  # new blocks: their content is reported again
+        self.host_kv = None
