@@ -1,0 +1,24 @@
+"""The cluster: configuration, topology, the global scheduler, building and serving the app.
+
+Public API::
+
+    from cluster.config import ClusterConfig, ConfigError, load_config
+    cfg = load_config("cluster.yaml", ["pools.num_decode=2"], direct={"model.path": p})
+    cfg.tier_config            # scheduler.tiers.TierConfig
+    cfg.to_dict() / ClusterConfig.from_dict(d)
+
+    from cluster.topology import WorkerLocation, TopologyClass, topology_class, detect_location
+    from cluster.app import init_ray, start_workers, build_router_app, deploy
+    running = deploy(cfg)      # scheduler + worker actors + Serve app at cfg.router host:port
+    running.url; running.handles.stats(); running.shutdown()
+
+    from cluster.global_scheduler import GlobalScheduler, WorkerClient, WorkerGone
+        # plain class: submit(spec) -> ticket, report(rep), abort(id), finish(id, timing),
+        # why(id) -> WhyReport dict, render_metrics(), stats(), mark_dead(worker_id)
+    from cluster.scheduler_actor import scheduler_actor      # the named Ray actor around it
+    from cluster.backend import ClusterBackend, HFTokenizer  # the router's Ray backend
+
+CLI: ``tierserve serve`` (cluster.serve_cli), ``tierserve bench`` (cluster.bench_http);
+``python -m cluster.bench_compare`` runs one trace against several policies.
+Messages between actors are msgpack (cluster.messages).
+"""

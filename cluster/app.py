@@ -1,0 +1,179 @@
+"""Building the cluster: plain builder functions, each binding one piece into the next.
+
+Data flow (Ray Serve LLM style)::
+
+    ClusterConfig ──start_workers──▶ named global scheduler actor + prefill/decode worker
+    actors (setup: model loaded, KV endpoint open, location found) ──register──▶ scheduler
+    ──build_router_app──▶ Serve application (FastAPI ingress bound to the scheduler and
+    the decode workers) ──deploy──▶ http://host:port
+
+``RunningCluster.shutdown()`` tears it down in reverse. Worker actors use fractional
+CPUs on CPU machines (``pools.num_cpus_per_worker``) and GPUs where configured; with
+``topology.pin_to_node_resource`` each worker is pinned to the Ray custom resource
+``node_<name>`` of its declared node (how tests place workers on a multi-node cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.messages import pack, scheduler_actor_name, unpack, worker_actor_name
+from cluster.worker_runtime import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+SETUP_TIMEOUT_S = 600.0
+SCHEDULER_NUM_CPUS = 0.1
+
+
+@dataclass
+class ClusterHandles:
+    namespace: str
+    scheduler_name: str
+    scheduler: Any
+    prefill: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        return min(int(i["max_model_len"]) for i in self.infos)
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        return unpack(ray.get(self.scheduler.stats.remote(), timeout=30))
+
+
+def _worker_options(cfg: ClusterConfig, role: str, index: int, namespace: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "name": worker_actor_name(role, index),
+        "namespace": namespace,
+        "num_cpus": cfg.pools.num_cpus_per_worker,
+        "num_gpus": cfg.pools.num_gpus_per_worker,
+        "max_concurrency": 1000,
+        "max_restarts": 0,
+    }
+    declared = cfg.topology.prefill if role == "prefill" else cfg.topology.decode
+    if cfg.topology.pin_to_node_resource and index < len(declared):
+        opts["resources"] = {f"node_{declared[index].node}": 0.001}
+    return opts
+
+
+def launch_workers(cfg: ClusterConfig, *, suffix: str = "") -> tuple[ClusterHandles, list[Any]]:
+    """Create the scheduler and worker actors; their setup (model load) runs in the
+    background: the returned refs resolve to each worker's info."""
+    import ray
+
+    from cluster.scheduler_actor import scheduler_actor
+    from decode_pool.worker import decode_worker_actor
+    from prefill_pool.worker import prefill_worker_actor
+
+    namespace = ray.get_runtime_context().namespace
+    sname = scheduler_actor_name(suffix)
+    sched = scheduler_actor().options(name=sname, namespace=namespace,
+                                      num_cpus=SCHEDULER_NUM_CPUS,
+                                      max_concurrency=1000).remote(cfg.to_dict())
+    h = ClusterHandles(namespace, sname, sched)
+    cfg_dict = cfg.to_dict()
+    for i in range(cfg.pools.num_prefill):
+        wid = worker_actor_name("prefill", i) + suffix
+        opts = _worker_options(cfg, "prefill", i, namespace) | {"name": wid}
+        h.prefill[wid] = prefill_worker_actor().options(**opts).remote(
+            wid, i, cfg_dict, sname, namespace)
+    for i in range(cfg.pools.num_decode):
+        wid = worker_actor_name("decode", i) + suffix
+        opts = _worker_options(cfg, "decode", i, namespace) | {"name": wid}
+        h.decode[wid] = decode_worker_actor().options(**opts).remote(
+            wid, i, cfg_dict, sname, namespace)
+    return h, [a.setup.remote() for a in {**h.prefill, **h.decode}.values()]
+
+
+def await_workers(h: ClusterHandles, setup_refs: list[Any]) -> ClusterHandles:
+    """Wait for every worker's setup and register them with the scheduler."""
+    import ray
+
+    h.infos = [unpack(b) for b in ray.get(setup_refs, timeout=SETUP_TIMEOUT_S)]
+    ray.get(h.scheduler.register.remote(pack(h.infos), {**h.prefill, **h.decode}), timeout=60)
+    for info in h.infos:
+        log.info("%s on node %s, domain %s, %d KV blocks", info["worker_id"],
+                 info["location"]["node"], info["location"]["nvlink_domain"],
+                 info["num_total_blocks"])
+    return h
+
+
+def start_workers(cfg: ClusterConfig, *, suffix: str = "") -> ClusterHandles:
+    """Start the scheduler and worker actors, wait for their setup, register the workers."""
+    return await_workers(*launch_workers(cfg, suffix=suffix))
+
+
+def served_model_name(cfg: ClusterConfig) -> str:
+    if cfg.model.served_name:
+        return cfg.model.served_name
+    return Path(resolve_model_path(cfg.model.path)).name or "model"
+
+
+def build_router_app(cfg: ClusterConfig, handles: ClusterHandles) -> Any:
+    from router.deployment import router_deployment
+
+    return router_deployment().bind(
+        cfg.to_dict(), handles.scheduler_name, handles.namespace, list(handles.decode),
+        served_model_name(cfg), handles.max_model_len, resolve_model_path(cfg.model.path))
+
+
+@dataclass
+class RunningCluster:
+    cfg: ClusterConfig
+    handles: ClusterHandles
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.delete("tierserve")
+        except Exception:  # Serve already gone (Ctrl-C during start)
+            log.debug("serve app already deleted")
+        for actor in [*self.handles.decode.values(), *self.handles.prefill.values(),
+                      self.handles.scheduler]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                continue
+
+
+def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
+    """Start everything and serve the OpenAI API at ``cfg.router`` host:port."""
+    from ray import serve
+
+    handles, setup_refs = launch_workers(cfg, suffix=suffix)
+    # Serve's controller and proxy start while the workers load the model.
+    serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
+    await_workers(handles, setup_refs)
+    serve.run(build_router_app(cfg, handles), name="tierserve", route_prefix="/",
+              blocking=False)
+    return RunningCluster(cfg, handles)
+
+
+def init_ray(address: str | None, *, num_cpus: int | None = None) -> None:
+    """Join ``address`` or start a local Ray whose traffic stays on 127.0.0.1."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, namespace="tierserve", log_to_driver=True)
+    else:
+        # "local": always a fresh instance, never a `ray start` cluster found on this host.
+        ray.init(address="local", namespace="tierserve", include_dashboard=False,
+                 num_cpus=num_cpus, _node_ip_address="127.0.0.1")

@@ -1,0 +1,347 @@
+"""The one configuration tree of a tierserve cluster (STYLE.md item 8).
+
+Data flow: a YAML file (optional) -> a plain dict -> ``--set a.b=c`` overrides and the
+few direct flags of ``tierserve serve`` -> :class:`ClusterConfig` (pydantic v2, frozen,
+``extra="forbid"``) -> typed pieces handed to the rest of the code: ``tiers`` converts
+to ``scheduler.tiers.TierConfig``, ``pools`` becomes each worker's engine settings,
+``topology`` declares nodes and NVLink domains on machines without NVML.
+
+Every error is a :class:`ConfigError` whose message names the field
+(``pools.num_decode: ...``). Environment variables are read here and nowhere else
+(:func:`read_environment`).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler.tiers import ConfigError, ShareMode, TierConfig, TierSpec, default_tiers
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "EnvSettings",
+    "ModelConfig",
+    "PoolsConfig",
+    "RouterConfig",
+    "SchedulingConfig",
+    "TenantConfig",
+    "TiersConfig",
+    "TopologyConfig",
+    "WorkerPlacement",
+    "load_config",
+    "parse_overrides",
+    "read_environment",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Frozen):
+    # A checkpoint folder (transformers layout or a GGUF file), or "default":
+    # the embedded model that `tierserve prepare-model` builds.
+    path: str = "default"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The name clients pass as `model`; empty means the checkpoint folder's name.
+    served_name: str = ""
+
+
+class PoolsConfig(_Frozen):
+    num_prefill: int = Field(1, ge=1, le=64)
+    num_decode: int = Field(1, ge=1, le=64)
+    # Ray resources per worker: fractional CPUs on CPU machines, one GPU on GPU nodes.
+    num_cpus_per_worker: float = Field(0.5, gt=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    block_size: int = Field(16, ge=1, le=256)
+    # The KV budget of each worker, in blocks (DESIGN §3: blocks are the unit).
+    num_kv_blocks: int = Field(512, ge=2)
+    # CPU blocks each decode worker may swap out to.
+    num_swap_blocks: int = Field(512, ge=0)
+    prefill_chunk_size: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    max_num_seqs: int = Field(32, ge=1)
+    # torch intra-op threads per worker (1 keeps many actors on few cores fair).
+    torch_threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolsConfig:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                "prefill_chunk_size: must not exceed max_num_batched_tokens "
+                f"({self.prefill_chunk_size} > {self.max_num_batched_tokens})"
+            )
+        return self
+
+
+class TierEntry(_Frozen):
+    name: str
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    share: float
+    weight: float = 1.0
+    preempt_threshold: float = 0.9
+    max_starvation_s: float = 60.0
+
+
+class TiersConfig(_Frozen):
+    # Empty: DESIGN §5's four default tiers.
+    tiers: tuple[TierEntry, ...] = ()
+    share_mode: Literal["soft", "quota"] = "soft"
+    anti_thrash_s: float = 1.0
+    boost_fraction: float = 0.7
+    control_interval_s: float = 0.1
+    max_share_step: float = 0.10
+
+    def to_tier_config(self) -> TierConfig:
+        """The kernel's frozen TierConfig; raises ConfigError naming ``tiers.…``."""
+        base = default_tiers()
+        specs = (
+            tuple(TierSpec(**t.model_dump()) for t in self.tiers) if self.tiers else base.tiers
+        )
+        try:
+            return TierConfig(
+                tiers=specs,
+                share_mode=ShareMode(self.share_mode),
+                anti_thrash_s=self.anti_thrash_s,
+                boost_fraction=self.boost_fraction,
+                control_interval_s=self.control_interval_s,
+                max_share_step=self.max_share_step,
+            )
+        except ConfigError as e:
+            raise ConfigError(f"tiers.{e}") from None
+
+    @model_validator(mode="after")
+    def _check(self) -> TiersConfig:
+        try:
+            self.to_tier_config()
+        except ConfigError as e:  # re-rooted at this section by _describe
+            raise ValueError(str(e).removeprefix("tiers.")) from None
+        return self
+
+
+class SchedulingConfig(_Frozen):
+    # A name from the scheduler's policy registry ("tierserve", "vllm-fcfs", ...).
+    policy: str = "tierserve"
+    # How often the global scheduler runs its deadline watcher and fair-share update.
+    control_interval_s: float = Field(0.1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulingConfig:
+        from scheduler.ordering import ORDERING_POLICIES
+        from scheduler.policies import POLICY_NAMES
+
+        base, _, ordering = self.policy.partition(":")
+        if base not in POLICY_NAMES or (ordering and (base != "tierserve"
+                                                      or ordering not in ORDERING_POLICIES)):
+            raise ValueError(f"policy: unknown policy {self.policy!r}; valid: "
+                             f"{', '.join(POLICY_NAMES)} (or tierserve:<ordering>)")
+        return self
+
+
+class WorkerPlacement(_Frozen):
+    node: str = Field(min_length=1)
+    nvlink_domain: str = Field(min_length=1)
+
+
+class TopologyConfig(_Frozen):
+    """Declared topology for machines without NVML: one entry per worker, in order.
+
+    Empty lists mean "all workers on the driver's node, one domain". On GPU nodes the
+    workers read their device and domain from NVML and only fall back to this.
+    ``node`` may name a Ray custom resource (``node:<name>``) the worker is pinned to.
+    """
+
+    prefill: tuple[WorkerPlacement, ...] = ()
+    decode: tuple[WorkerPlacement, ...] = ()
+    # Pin each worker to its declared node through the Ray resource ``node_<name>``.
+    pin_to_node_resource: bool = False
+
+
+class RouterConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    # The most a request may take end to end before the router aborts it.
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Timeout for one control call (admit, abort, poll) to an actor.
+    rpc_timeout_s: float = Field(10.0, gt=0)
+    max_tokens_limit: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+
+
+class TenantConfig(_Frozen):
+    name: str = Field(min_length=1)
+    api_keys: tuple[str, ...] = ()
+    tier: int = Field(1, ge=0)
+    may_override_tier: bool = False
+
+
+class ClusterConfig(_Frozen):
+    model: ModelConfig = ModelConfig()
+    pools: PoolsConfig = PoolsConfig()
+    tiers: TiersConfig = TiersConfig()
+    scheduling: SchedulingConfig = SchedulingConfig()
+    topology: TopologyConfig = TopologyConfig()
+    router: RouterConfig = RouterConfig()
+    tenants: tuple[TenantConfig, ...] = ()
+    # Ray address to join ("auto", "ray://...", host:port); None starts a local instance.
+    ray_address: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        num_tiers = self.tiers.to_tier_config().num_tiers
+        seen: dict[str, str] = {}
+        for i, t in enumerate(self.tenants):
+            if t.tier >= num_tiers:
+                raise ValueError(f"tenants[{i}].tier: {t.tier} but only {num_tiers} tiers exist")
+            for key in t.api_keys:
+                if not key:
+                    raise ValueError(f"tenants[{i}].api_keys: an empty key is not allowed")
+                if key in seen:
+                    raise ValueError(
+                        f"tenants[{i}].api_keys: key already belongs to tenant {seen[key]!r}"
+                    )
+                seen[key] = t.name
+        for pool, entries, n in (
+            ("prefill", self.topology.prefill, self.pools.num_prefill),
+            ("decode", self.topology.decode, self.pools.num_decode),
+        ):
+            if entries and len(entries) != n:
+                raise ValueError(
+                    f"topology.{pool}: {len(entries)} entries for {n} {pool} workers"
+                )
+        return self
+
+    @property
+    def tier_config(self) -> TierConfig:
+        return self.tiers.to_tier_config()
+
+    @property
+    def requires_api_key(self) -> bool:
+        """Open access until any key is configured (DESIGN: keys required once configured)."""
+        return any(t.api_keys for t in self.tenants)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/msgpack types, for shipping to actors."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+
+_FIELD_PATH = re.compile(r"[A-Za-z_][\w.\[\]*]*")
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for item in err.errors():
+        loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in item["loc"])
+        loc = loc.replace(".[", "[")
+        msg = str(item["msg"]).removeprefix("Value error, ")
+        head, sep, rest = msg.partition(": ")
+        if loc and sep and _FIELD_PATH.fullmatch(head):
+            # A section's own check names a field inside it: join the two paths.
+            msg = f"{loc}{'' if head.startswith('[') else '.'}{head}: {rest}"
+        elif loc and not msg.startswith(loc):
+            msg = f"{loc}: {msg}"
+        parts.append(msg)
+    return "; ".join(parts)
+
+
+class EnvSettings(enum.Enum):
+    """The environment variables tierserve reads (in :func:`read_environment` only)."""
+
+    CONFIG = "TIERSERVE_CONFIG"
+    MODEL = "TIERSERVE_MODEL"
+    RAY_ADDRESS = "RAY_ADDRESS"
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> dict[EnvSettings, str]:
+    env = os.environ if environ is None else environ
+    return {k: env[k.value] for k in EnvSettings if env.get(k.value)}
+
+
+def parse_overrides(items: Iterable[str]) -> list[tuple[tuple[str, ...], Any]]:
+    """``["pools.num_decode=2", "router.host=0.0.0.0"]`` -> [(path, YAML-parsed value)]."""
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. pools.num_decode=2")
+        path = tuple(p for p in key.strip().split("."))
+        if any(not p for p in path):
+            raise ConfigError(f"--set {item!r}: empty component in {key!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+        out.append((path, value))
+    return out
+
+
+def _apply(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is not a section, cannot set {'.'.join(path)}")
+        node = nxt
+    node[path[-1]] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    direct: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterConfig:
+    """File (or $TIERSERVE_CONFIG) < environment < ``--set`` overrides < direct flags.
+
+    ``direct`` maps dotted keys to values from explicit flags (``{"model.path": p}``);
+    ``None`` values are skipped so unset flags do not override the file.
+    """
+    env = read_environment(environ)
+    if path is None and EnvSettings.CONFIG in env:
+        path = env[EnvSettings.CONFIG]
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise ConfigError(f"config file {p}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: not valid YAML ({e})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+        tree = loaded or {}
+    if EnvSettings.MODEL in env:
+        _apply(tree, ("model", "path"), env[EnvSettings.MODEL])
+    if EnvSettings.RAY_ADDRESS in env:
+        tree.setdefault("ray_address", env[EnvSettings.RAY_ADDRESS])
+    for key, value in parse_overrides(overrides):
+        _apply(tree, key, value)
+    for key, value in (direct or {}).items():
+        if value is not None:
+            _apply(tree, tuple(key.split(".")), value)
+    return ClusterConfig.from_dict(tree)

@@ -1,0 +1,176 @@
+"""The global scheduler as one named Ray actor, and its Ray-backed worker client.
+
+:class:`RayWorkerClient` reaches workers through their actor handles, every call
+awaited with a timeout; an unreachable worker raises ``WorkerGone``. The actor adds
+a health loop: each worker is pinged every second, and one that does not answer is
+marked dead; requests it held are aborted on their surviving worker so their token
+streams end at once and the router retries them (recompute) elsewhere.
+Messages in and out are msgpack bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.global_scheduler import GlobalScheduler, WorkerGone
+from cluster.messages import pack, unpack
+from scheduler.topology import WorkerInfo, WorkerRole
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 1.0
+PING_TIMEOUT_S = 3.0
+
+
+class RayWorkerClient:
+    def __init__(self, handles: dict[str, Any], timeout_s: float) -> None:
+        self.handles = handles
+        self.timeout_s = timeout_s
+
+    async def _call(self, worker_id: str, method: str, *args: Any) -> Any:
+        import ray
+
+        handle = self.handles.get(worker_id)
+        if handle is None:
+            raise WorkerGone(worker_id)
+        try:
+            return await asyncio.wait_for(getattr(handle, method).remote(*args), self.timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError) as e:
+            raise WorkerGone(f"{worker_id}: {type(e).__name__}") from None
+
+    async def reserve(self, worker_id: str, msg: dict[str, Any]) -> dict[str, Any]:
+        return unpack(await self._call(worker_id, "reserve", pack(msg)))
+
+    async def start_prefill(self, worker_id: str, msg: dict[str, Any]) -> None:
+        await self._call(worker_id, "start_request", pack(msg))
+
+    async def preempt(self, worker_id: str, req_id: str, mode: str, for_req_id: str) -> bool:
+        return bool(await self._call(worker_id, "preempt", req_id, mode, for_req_id))
+
+    async def abort(self, worker_id: str, req_id: str, error: str | None = None) -> None:
+        if error is None:
+            await self._call(worker_id, "abort", req_id)
+        else:  # decode workers only: the request's stream ends with ``error``
+            await self._call(worker_id, "abort", req_id, error)
+
+    async def ping(self, worker_id: str) -> None:
+        import ray
+
+        handle = self.handles[worker_id]
+        try:
+            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_S)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError) as e:
+            raise WorkerGone(f"{worker_id}: {type(e).__name__}") from None
+
+
+class SchedulerService:
+    """The actor's body: the plain scheduler plus registration and the health loop."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.client = RayWorkerClient({}, cfg.router.rpc_timeout_s)
+        self.core: GlobalScheduler | None = None
+        self._health: asyncio.Task[None] | None = None
+
+    async def register(self, infos: list[dict[str, Any]], handles: dict[str, Any]) -> None:
+        self.client.handles.update(handles)
+        bpb = max((int(i.get("bytes_per_block", 0)) for i in infos), default=0) or 1 << 16
+        self.core = GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
+                                    self.cfg.pools.block_size, self.client,
+                                    bytes_per_block=bpb,
+                                    control_interval_s=self.cfg.scheduling.control_interval_s)
+        for i in infos:
+            loc = i["location"]
+            role = WorkerRole(i["role"])
+            self.core.register_worker(
+                WorkerInfo(str(i["worker_id"]), role, str(loc["node"]), str(loc["device"]),
+                           str(loc["nvlink_domain"]), int(i["num_total_blocks"])),
+                int(i["num_free_blocks"]))
+        self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    def _core(self) -> GlobalScheduler:
+        if self.core is None:
+            raise RuntimeError("the scheduler has no workers registered yet")
+        return self.core
+
+    async def worker_failed(self, worker_id: str) -> None:
+        lost = self._core().mark_dead(worker_id)
+        await self._end_streams(worker_id, lost)
+
+    async def _end_streams(self, dead_id: str, lost: list[str]) -> None:
+        core = self._core()
+        for rid in lost:
+            for w in core.workers.values():
+                if w.info.worker_id != dead_id and w.is_alive and w.info.role is WorkerRole.DECODE:
+                    try:
+                        await self.client.abort(w.info.worker_id, rid, "worker_failed")
+                    except WorkerGone:
+                        continue
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            core = self._core()
+            alive = [wid for wid, w in core.workers.items() if w.is_alive]
+            results = await asyncio.gather(*(self.client.ping(w) for w in alive),
+                                           return_exceptions=True)
+            for wid, res in zip(alive, results, strict=True):
+                if isinstance(res, WorkerGone):
+                    log.warning("worker %s did not answer its ping", wid)
+                    await self.worker_failed(wid)
+
+
+def _make_actor_class() -> Any:
+    import ray
+
+    @ray.remote
+    class GlobalSchedulerActor:
+        def __init__(self, cfg: dict[str, Any]) -> None:
+            logging.basicConfig(level=logging.INFO)
+            self._svc = SchedulerService(ClusterConfig.from_dict(cfg))
+
+        async def register(self, infos: bytes, handles: dict[str, Any]) -> None:
+            await self._svc.register(unpack(infos), handles)
+
+        async def submit(self, spec: bytes) -> bytes:
+            return pack(await self._svc._core().submit(unpack(spec)))
+
+        async def report(self, rep: bytes) -> None:
+            if self._svc.core is not None:  # reports may arrive before registration
+                self._svc.core.report(unpack(rep))
+
+        async def abort(self, req_id: str) -> None:
+            await self._svc._core().abort(req_id)
+
+        async def finish(self, req_id: str, timing: bytes) -> None:
+            self._svc._core().finish(req_id, unpack(timing))
+
+        async def worker_failed(self, worker_id: str) -> None:
+            await self._svc.worker_failed(worker_id)
+
+        async def why(self, req_id: str) -> bytes:
+            return pack(self._svc._core().why(req_id))
+
+        async def metrics(self) -> bytes:
+            payload, _ = self._svc._core().render_metrics()
+            return payload
+
+        async def stats(self) -> bytes:
+            return pack(self._svc._core().stats())
+
+    return GlobalSchedulerActor
+
+
+_ACTOR: Any = None
+
+
+def scheduler_actor() -> Any:
+    global _ACTOR
+    if _ACTOR is None:
+        _ACTOR = _make_actor_class()
+    return _ACTOR

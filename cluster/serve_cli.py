@@ -1,0 +1,94 @@
+"""``tierserve serve``: start (or join) Ray, deploy the cluster, serve until Ctrl-C.
+
+Single machine: a local Ray instance whose traffic stays on 127.0.0.1
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use the loopback address as the node
+address). Multi-node: ``ray start`` on each node, then ``tierserve serve --address auto``.
+The default model is the one ``tierserve prepare-model`` builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from cluster.config import ConfigError, load_config
+
+READY_TIMEOUT_S = 600.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML configuration (see cluster/config.py)")
+    p.add_argument("--model", metavar="PATH", help="model checkpoint (default: the embedded one)")
+    p.add_argument("--address", help="Ray address to join (e.g. auto); default: start Ray here")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--policy", help="scheduling policy (tierserve, vllm-fcfs, ...)")
+    p.add_argument("--num-prefill", type=int, dest="num_prefill")
+    p.add_argument("--num-decode", type=int, dest="num_decode")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set pools.num_kv_blocks=1024")
+
+
+def _wait_ready(url: str, deadline: float) -> bool:
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def run(args: argparse.Namespace) -> int:
+    # Before Ray is imported: Ray reads it at import time (loopback node address).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.set, direct={
+            "model.path": args.model, "ray_address": args.address, "router.host": args.host,
+            "router.port": args.port, "scheduling.policy": args.policy,
+            "pools.num_prefill": args.num_prefill, "pools.num_decode": args.num_decode})
+    except ConfigError as e:
+        print(f"tierserve serve: configuration error: {e}", file=sys.stderr)
+        return 2
+    from cluster.app import deploy, init_ray, resolve_model_path
+
+    model = resolve_model_path(cfg.model.path)
+    if not os.path.exists(model):
+        print(f"tierserve serve: no model at {model}; run `tierserve prepare-model` or pass "
+              "--model PATH", file=sys.stderr)
+        return 2
+    import ray
+
+    init_ray(cfg.ray_address)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    cluster = None
+    try:
+        cluster = deploy(cfg)
+        if not _wait_ready(cluster.url, time.time() + READY_TIMEOUT_S):
+            print("tierserve serve: the endpoint did not become ready", file=sys.stderr)
+            return 1
+        print(f"tierserve: ready at {cluster.url}/v1 (model {model}, policy "
+              f"{cfg.scheduling.policy}); Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("tierserve: shutting down", flush=True)
+        return 0
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

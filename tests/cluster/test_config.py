@@ -1,0 +1,114 @@
+"""The configuration tree: defaults, YAML + overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig, ConfigError, load_config, parse_overrides
+from cluster.topology import (
+    TopologyClass,
+    WorkerLocation,
+    detect_location,
+    nvlink_groups_from_topo_matrix,
+    topology_class,
+)
+from scheduler.tiers import ShareMode
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    cfg = load_config(environ={})
+    assert cfg.router.host == "127.0.0.1" and cfg.router.port == 8000
+    assert cfg.tier_config.num_tiers == 4
+    assert not cfg.requires_api_key
+    with pytest.raises(ValidationError):
+        cfg.pools.num_decode = 3  # type: ignore[misc]
+
+
+def test_yaml_then_overrides_then_direct_flags(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "pools: {num_prefill: 2, num_decode: 2, num_kv_blocks: 64}\n"
+        "tiers:\n  share_mode: quota\n  tiers:\n"
+        "    - {name: fast, ttft_s: 0.5, tpot_s: 0.1, share: 0.6, weight: 4}\n"
+        "    - {name: slow, e2e_s: 60, share: 0.4}\n"
+        "tenants: [{name: a, api_keys: [k1], tier: 1, may_override_tier: true}]\n"
+    )
+    cfg = load_config(f, ["pools.num_decode=3", "router.port=9000", "scheduling.policy=vllm-fcfs"],
+                      direct={"model.path": "/m", "router.host": None}, environ={})
+    assert (cfg.pools.num_prefill, cfg.pools.num_decode, cfg.pools.num_kv_blocks) == (2, 3, 64)
+    assert cfg.router.port == 9000 and cfg.router.host == "127.0.0.1"
+    assert cfg.model.path == "/m" and cfg.scheduling.policy == "vllm-fcfs"
+    tc = cfg.tier_config
+    assert tc.num_tiers == 2 and tc.share_mode is ShareMode.QUOTA and tc[0].ttft_s == 0.5
+    assert cfg.requires_api_key
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_environment_is_read_in_one_place(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("pools: {num_decode: 2}\n")
+    cfg = load_config(environ={"TIERSERVE_CONFIG": str(f), "TIERSERVE_MODEL": "/x"})
+    assert cfg.pools.num_decode == 2 and cfg.model.path == "/x"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["pools.num_decode=0"], "pools.num_decode"),
+        (["pools.block_size=12"], "block_size"),
+        (["pools.bogus=1"], "pools.bogus"),
+        (["router.port=70000"], "router.port"),
+        (["model.dtype=int3"], "model.dtype"),
+        (["tiers.tiers=[{name: a, ttft_s: 1, share: 0.5}, {name: b, e2e_s: 9, share: 0.2}]"],
+         "tiers.tiers[*].share"),
+        (["tiers.tiers=[{name: a, ttft_s: -1, share: 1.0}, {name: b, e2e_s: 9, share: 0.0}]"],
+         "tiers.tiers[0].ttft_s"),
+        (["tenants=[{name: a, tier: 7}]"], "tenants[0].tier"),
+        (["scheduling.policy=fastest"], "scheduling.policy"),
+        (["tenants=[{name: a, api_keys: [k]}, {name: b, api_keys: [k]}]"], "tenants[1].api_keys"),
+        (["pools.num_prefill=2", "topology.prefill=[{node: a, nvlink_domain: d}]"],
+         "topology.prefill"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides, environ={})
+    assert field in str(e.value)
+
+
+def test_malformed_override_and_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["pools.num_decode"])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad, environ={})
+
+
+def test_topology_classes_and_declared_domains() -> None:
+    a = WorkerLocation("n1", "cpu", "d1")
+    assert topology_class(a, WorkerLocation("n1", "cpu", "d1")) is TopologyClass.SAME_DOMAIN
+    assert topology_class(a, WorkerLocation("n1", "cpu", "d2")) is TopologyClass.SAME_NODE
+    assert topology_class(a, WorkerLocation("n2", "cpu", "d1")) is TopologyClass.CROSS_NODE
+    g = WorkerLocation("n1", "cuda:0", "x")
+    assert topology_class(g, WorkerLocation("n1", "cuda:0", "x")) is TopologyClass.SAME_DEVICE
+    assert detect_location("n1", "cpu", "rack-a").nvlink_domain == "rack-a"
+    assert detect_location("n1", "cpu", None).nvlink_domain == "n1/host"
+    assert WorkerLocation.from_dict(a.to_dict()) == a
+
+
+def test_nvidia_smi_topology_matrix_is_parsed() -> None:
+    text = (
+        "\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n"
+        "GPU0\t X \tNV12\tSYS\tSYS\t0-31\n"
+        "GPU1\tNV12\t X \tSYS\tSYS\t0-31\n"
+        "GPU2\tSYS\tSYS\t X \tNV4\t32-63\n"
+        "GPU3\tSYS\tSYS\tNV4\t X \t32-63\n"
+    )
+    groups = nvlink_groups_from_topo_matrix(text)
+    assert groups[0] == groups[1] != groups[2] == groups[3]
