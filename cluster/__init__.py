@@ -12,9 +12,14 @@ Public API::
     running = deploy(cfg)      # scheduler + worker actors + Serve app at cfg.router host:port
     running.url; running.handles.stats(); running.shutdown()
 
+    from cluster.serve_app import app_builder, load_app_config
+        # KubeRay's Serve entry point (helm serve.importPath): args {"config_path": ...}
+        # -> detached named actors (started or reused) -> the bound Serve app
+
     from cluster.global_scheduler import GlobalScheduler, WorkerClient, WorkerGone
         # plain class: submit(spec) -> ticket, report(rep), abort(id), finish(id, timing),
-        # why(id) -> WhyReport dict, render_metrics(), stats(), mark_dead(worker_id)
+        # why(id) -> WhyReport dict, render_metrics(), stats(), mark_dead(worker_id);
+        # tracer=RequestTracer records each closed request (config section `tracing`)
     from cluster.scheduler_actor import scheduler_actor      # the named Ray actor around it
     from cluster.backend import ClusterBackend, HFTokenizer  # the router's Ray backend
 

@@ -11,18 +11,25 @@ Data flow (Ray Serve LLM style)::
 CPUs on CPU machines (``pools.num_cpus_per_worker``) and GPUs where configured; with
 ``topology.pin_to_node_resource`` each worker is pinned to the Ray custom resource
 ``node_<name>`` of its declared node (how tests place workers on a multi-node cluster).
+A worker with a declared NVLink domain also asks for ``tierserve_domain_<name>``, and
+every worker for ``tierserve_<role>``, whenever some node carries that resource (the
+Helm chart's worker nodes do), so it lands on a node of its domain and pool.
+On KubeRay, ``cluster.serve_app:app_builder`` builds the same pieces as detached actors
+(``launch_workers(detached=True)``) or reuses running ones (``attach_workers``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.messages import pack, scheduler_actor_name, unpack, worker_actor_name
+from cluster.topology import domain_resource, role_resource
 from cluster.worker_runtime import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,18 @@ class ClusterHandles:
         return unpack(ray.get(self.scheduler.stats.remote(), timeout=30))
 
 
-def _worker_options(cfg: ClusterConfig, role: str, index: int, namespace: str) -> dict[str, Any]:
+PIN_AMOUNT = 0.001  # of a placement resource: a marker, never the limit
+
+
+def _worker_options(cfg: ClusterConfig, role: str, index: int, namespace: str,
+                    cluster_resources: Collection[str] = (), *,
+                    detached: bool = False) -> dict[str, Any]:
+    """Ray options of one worker actor, with its placement resources.
+
+    Placement: ``node_<name>`` of the declared node (``topology.pin_to_node_resource``);
+    the declared domain's ``tierserve_domain_<name>`` and the role's ``tierserve_<role>``
+    when some node of the cluster carries them (the Helm chart's worker nodes do).
+    """
     opts: dict[str, Any] = {
         "name": worker_actor_name(role, index),
         "namespace": namespace,
@@ -59,39 +77,80 @@ def _worker_options(cfg: ClusterConfig, role: str, index: int, namespace: str) -
         "max_concurrency": 1000,
         "max_restarts": 0,
     }
+    if detached:
+        opts["lifetime"] = "detached"
     declared = cfg.topology.prefill if role == "prefill" else cfg.topology.decode
-    if cfg.topology.pin_to_node_resource and index < len(declared):
-        opts["resources"] = {f"node_{declared[index].node}": 0.001}
+    entry = declared[index] if index < len(declared) else None
+    resources: dict[str, float] = {}
+    if cfg.topology.pin_to_node_resource and entry is not None:
+        resources[f"node_{entry.node}"] = PIN_AMOUNT
+    if entry is not None and domain_resource(entry.nvlink_domain) in cluster_resources:
+        resources[domain_resource(entry.nvlink_domain)] = PIN_AMOUNT
+    if role_resource(role) in cluster_resources:
+        resources[role_resource(role)] = PIN_AMOUNT
+    if resources:
+        opts["resources"] = resources
     return opts
 
 
-def launch_workers(cfg: ClusterConfig, *, suffix: str = "") -> tuple[ClusterHandles, list[Any]]:
+def launch_workers(cfg: ClusterConfig, *, suffix: str = "", namespace: str | None = None,
+                   detached: bool = False) -> tuple[ClusterHandles, list[Any]]:
     """Create the scheduler and worker actors; their setup (model load) runs in the
-    background: the returned refs resolve to each worker's info."""
+    background: the returned refs resolve to each worker's info. ``detached`` actors
+    outlive the driver that made them (the Serve application builder's case)."""
     import ray
 
     from cluster.scheduler_actor import scheduler_actor
     from decode_pool.worker import decode_worker_actor
     from prefill_pool.worker import prefill_worker_actor
 
-    namespace = ray.get_runtime_context().namespace
+    namespace = namespace or ray.get_runtime_context().namespace
+    life = {"lifetime": "detached"} if detached else {}
+    have = set(ray.cluster_resources())
     sname = scheduler_actor_name(suffix)
     sched = scheduler_actor().options(name=sname, namespace=namespace,
                                       num_cpus=SCHEDULER_NUM_CPUS,
-                                      max_concurrency=1000).remote(cfg.to_dict())
+                                      max_concurrency=1000, **life).remote(cfg.to_dict())
     h = ClusterHandles(namespace, sname, sched)
     cfg_dict = cfg.to_dict()
     for i in range(cfg.pools.num_prefill):
         wid = worker_actor_name("prefill", i) + suffix
-        opts = _worker_options(cfg, "prefill", i, namespace) | {"name": wid}
+        opts = _worker_options(cfg, "prefill", i, namespace, have,
+                               detached=detached) | {"name": wid}
         h.prefill[wid] = prefill_worker_actor().options(**opts).remote(
             wid, i, cfg_dict, sname, namespace)
     for i in range(cfg.pools.num_decode):
         wid = worker_actor_name("decode", i) + suffix
-        opts = _worker_options(cfg, "decode", i, namespace) | {"name": wid}
+        opts = _worker_options(cfg, "decode", i, namespace, have,
+                               detached=detached) | {"name": wid}
         h.decode[wid] = decode_worker_actor().options(**opts).remote(
             wid, i, cfg_dict, sname, namespace)
     return h, [a.setup.remote() for a in {**h.prefill, **h.decode}.values()]
+
+
+def attach_workers(cfg: ClusterConfig, namespace: str, *, suffix: str = "") -> ClusterHandles | None:
+    """Handles to a scheduler and workers already running under their names in
+    ``namespace`` (registered), or None when there are none to reuse."""
+    import ray
+
+    sname = scheduler_actor_name(suffix)
+    try:
+        sched = ray.get_actor(sname, namespace=namespace)
+    except ValueError:  # no actor by that name
+        return None
+    infos = unpack(ray.get(sched.worker_infos.remote(), timeout=60))
+    if not infos:
+        return None
+    h = ClusterHandles(namespace, sname, sched, infos=infos)
+    for info in infos:
+        wid = str(info["worker_id"])
+        pool = h.prefill if info["role"] == "prefill" else h.decode
+        pool[wid] = ray.get_actor(wid, namespace=namespace)
+    want = cfg.pools.num_prefill + cfg.pools.num_decode
+    if len(h.prefill) + len(h.decode) != want:
+        log.warning("running cluster has %d workers, config wants %d: reusing it as is",
+                    len(h.prefill) + len(h.decode), want)
+    return h
 
 
 def await_workers(h: ClusterHandles, setup_refs: list[Any]) -> ClusterHandles:

@@ -36,6 +36,7 @@ __all__ = [
     "TenantConfig",
     "TiersConfig",
     "TopologyConfig",
+    "TracingConfig",
     "WorkerPlacement",
     "load_config",
     "parse_overrides",
@@ -189,6 +190,31 @@ class TenantConfig(_Frozen):
     may_override_tier: bool = False
 
 
+DEFAULT_TRACE_FILE = "tierserve-traces.jsonl"
+
+
+class TracingConfig(_Frozen):
+    """OpenTelemetry traces of requests (cluster/tracing.py), written by the global
+    scheduler when a request ends. Off by default (no file appears unasked).
+
+    Enabled: OTLP to ``otlp_endpoint`` when set (``http://collector:4318``; needs the
+    ``opentelemetry-exporter-otlp-proto-http`` package, or ``-grpc`` for protocol
+    ``grpc``), else one JSON span per line appended to ``jsonl_path`` (default
+    ``tierserve-traces.jsonl`` in the scheduler actor's working directory; give an
+    absolute path on a cluster).
+    """
+
+    enabled: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    jsonl_path: str | None = None
+    service_name: str = Field("tierserve", min_length=1)
+
+    @property
+    def trace_file(self) -> str:
+        return self.jsonl_path or DEFAULT_TRACE_FILE
+
+
 class ClusterConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     pools: PoolsConfig = PoolsConfig()
@@ -197,6 +223,7 @@ class ClusterConfig(_Frozen):
     topology: TopologyConfig = TopologyConfig()
     router: RouterConfig = RouterConfig()
     tenants: tuple[TenantConfig, ...] = ()
+    tracing: TracingConfig = TracingConfig()
     # Ray address to join ("auto", "ray://...", host:port); None starts a local instance.
     ray_address: str | None = None
 

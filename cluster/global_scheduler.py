@@ -22,7 +22,15 @@ Life of a request here:
    resumed, finished, aborted), block events and KV use; each event becomes a
    ``transition`` with its ``DecisionRecord``, which feeds metrics and ``why``.
 6. ``finish(req_id, timings)`` from the router closes the request's books: SLO
-   observation for the fair-share controller, the latency histograms.
+   observation for the fair-share controller, the latency histograms. Every closed
+   (or rejected) request keeps its ``RequestLog`` for ``why`` and, with a tracer
+   configured, becomes one OpenTelemetry trace (``RequestTracer.record``).
+
+Metrics (router/metrics.py): every transition (``on_decision``), finished requests,
+transfers, KV use per worker from reports, prefix-cache lookups at placement
+(``on_prefix_lookup``: the prompt's full blocks against the reused ones), and at each
+``/metrics`` scrape a snapshot of queue depth, running / preempted / swapped counts per
+tier (``set_request_counts``) and the policy's fair shares (``set_shares``).
 
 Workers are reached through a :class:`WorkerClient` (Ray handles with timeouts in
 production, a fake in unit tests); a worker whose call fails is marked dead and its
@@ -38,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.aio import wait_event
 from cluster.messages import WorkerEvent
@@ -53,6 +61,9 @@ from scheduler.prefix_index import BlockRemoved, BlockStored, PrefixMirror
 from scheduler.request import Decision, IllegalTransition, Request, RequestState, transition
 from scheduler.tiers import TierConfig
 from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, WorkerRole, topology_class
+
+if TYPE_CHECKING:
+    from cluster.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +142,7 @@ def default_link_costs(bytes_per_block: int) -> LinkCosts:
 class GlobalScheduler:
     def __init__(self, tiers: TierConfig, policy_name: str, block_size: int,
                  client: WorkerClient, *, bytes_per_block: int = 1 << 16,
-                 control_interval_s: float = 0.1) -> None:
+                 control_interval_s: float = 0.1, tracer: RequestTracer | None = None) -> None:
         self.tiers = tiers
         self.block_size = block_size
         self.client = client
@@ -149,6 +160,8 @@ class GlobalScheduler:
         self.transfers_by_class: dict[str, int] = {c.value: 0 for c in TopologyClass}
         # "tier:mode" -> preemptions seen (swap / recompute), for stats and tests.
         self.preemptions: dict[str, int] = {}
+        # One OpenTelemetry trace per closed request (cluster/tracing.py), when configured.
+        self.tracer = tracer
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -295,8 +308,28 @@ class GlobalScheduler:
         return None if report is None else report.to_dict()
 
     def render_metrics(self) -> tuple[bytes, str]:
-        for t in range(self.tiers.num_tiers):
+        """The exposition, after a snapshot of the gauges (queue depth, request counts
+        by state, fair shares) from the live requests and the policy."""
+        n = self.tiers.num_tiers
+        running, preempted, swapped = [0] * n, [0] * n, [0] * n
+        for lv in self.live.values():
+            req, t = lv.req, lv.req.tier
+            if req.req_id in self.queue and not req.num_preemptions:
+                continue  # waiting: the queue depth below
+            if req.state in _RUNNING:
+                running[t] += 1
+            elif req.state in _PREEMPTED or req.req_id in self.queue:
+                preempted[t] += 1  # includes recompute victims queued again
+                if req.state is RequestState.PREEMPTED and _last_preempt(req) is \
+                        Decision.PREEMPT_SWAP:
+                    swapped[t] += 1
+        for t in range(n):
             self.metrics.set_queue_depth(t, sum(1 for lv in self.queue.values() if lv.req.tier == t))
+            self.metrics.set_request_counts(t, running=running[t], preempted=preempted[t],
+                                            swapped=swapped[t])
+        shares = getattr(self.policy, "shares", None)
+        if shares is not None and len(shares) == n:
+            self.metrics.set_shares([min(max(float(x), 0.0), 1.0) for x in shares])
         return self.metrics.render(), CONTENT_TYPE
 
     def stats(self) -> dict[str, Any]:
@@ -384,9 +417,11 @@ class GlobalScheduler:
         cls = topology_class(pv.info, dw.info)
         self.transfers_by_class[cls.value] += 1
         lv.move_class = cls
+        hit = max(num_hit, pv.match_blocks)
+        self.metrics.on_prefix_lookup(len(req.block_hashes), min(hit, len(req.block_hashes)))
         self._move(req.req_id, RequestState.PREFILLING, Decision.SCHEDULE_PREFILL,
                    f"placement:{pv.info.worker_id}->{dw.info.worker_id}",
-                   kv_reuse_hit=max(num_hit, pv.match_blocks), mem=self._pressure(dw))
+                   kv_reuse_hit=hit, mem=self._pressure(dw))
         del self.queue[req.req_id]
         try:
             await self.client.start_prefill(pv.info.worker_id, {
@@ -498,6 +533,24 @@ class GlobalScheduler:
         self._keep_log(lv.req, lv.transfers)
 
     def _keep_log(self, req: Request, transfers: list[TransferInfo]) -> None:
-        self.logs[req.req_id] = RequestLog.from_request(req, transfers)
+        rlog = RequestLog.from_request(req, transfers)
+        self.logs[req.req_id] = rlog
         while len(self.logs) > MAX_LOGS:
             self.logs.popitem(last=False)
+        if self.tracer is not None:
+            try:
+                self.tracer.record(rlog)
+            except Exception:  # a broken exporter must not stop scheduling
+                log.exception("tracing request %s failed", req.req_id)
+
+
+_RUNNING = frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING})
+_PREEMPTED = frozenset({RequestState.PREEMPTING, RequestState.PREEMPTED})
+
+
+def _last_preempt(req: Request) -> Decision | None:
+    for rec in reversed(req.history):
+        if rec.decision in (Decision.PREEMPT_SWAP, Decision.PREEMPT_RECOMPUTE,
+                            Decision.PREEMPT_MIGRATE):
+            return rec.decision
+    return None

@@ -5,19 +5,24 @@ awaited with a timeout; an unreachable worker raises ``WorkerGone``. The actor a
 a health loop: each worker is pinged every second, and one that does not answer is
 marked dead; requests it held are aborted on their surviving worker so their token
 streams end at once and the router retries them (recompute) elsewhere.
-Messages in and out are msgpack bytes.
+Messages in and out are msgpack bytes. With ``tracing.enabled`` the scheduler gets a
+:class:`~cluster.tracing.RequestTracer` (:func:`make_tracer`) and emits one trace per
+request as it closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.global_scheduler import GlobalScheduler, WorkerGone
 from cluster.messages import pack, unpack
 from scheduler.topology import WorkerInfo, WorkerRole
+
+if TYPE_CHECKING:
+    from cluster.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,18 @@ class RayWorkerClient:
             raise WorkerGone(f"{worker_id}: {type(e).__name__}") from None
 
 
+def make_tracer(cfg: ClusterConfig) -> RequestTracer | None:
+    """The request tracer ``cfg.tracing`` asks for (None when disabled); a setting that
+    cannot work raises ``TracingError`` at start, not at the first request."""
+    t = cfg.tracing
+    if not t.enabled:
+        return None
+    from cluster.tracing import RequestTracer
+
+    return RequestTracer.from_settings(t.otlp_endpoint, None if t.otlp_endpoint else t.trace_file,
+                                       protocol=t.otlp_protocol, service_name=t.service_name)
+
+
 class SchedulerService:
     """The actor's body: the plain scheduler plus registration and the health loop."""
 
@@ -75,15 +92,19 @@ class SchedulerService:
         self.cfg = cfg
         self.client = RayWorkerClient({}, cfg.router.rpc_timeout_s)
         self.core: GlobalScheduler | None = None
+        # The infos the workers registered with: a restarted Serve app reuses them.
+        self.infos: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
 
     async def register(self, infos: list[dict[str, Any]], handles: dict[str, Any]) -> None:
         self.client.handles.update(handles)
+        self.infos = list(infos)
         bpb = max((int(i.get("bytes_per_block", 0)) for i in infos), default=0) or 1 << 16
         self.core = GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
                                     self.cfg.pools.block_size, self.client,
                                     bytes_per_block=bpb,
-                                    control_interval_s=self.cfg.scheduling.control_interval_s)
+                                    control_interval_s=self.cfg.scheduling.control_interval_s,
+                                    tracer=make_tracer(self.cfg))
         for i in infos:
             loc = i["location"]
             role = WorkerRole(i["role"])
@@ -162,6 +183,10 @@ def _make_actor_class() -> Any:
 
         async def stats(self) -> bytes:
             return pack(self._svc._core().stats())
+
+        async def worker_infos(self) -> bytes:
+            """The registered workers' setup infos (empty before registration)."""
+            return pack(self._svc.infos)
 
     return GlobalSchedulerActor
 

@@ -2,14 +2,18 @@
 
 Data flow: a worker calls :func:`detect_location` once at start. On a GPU node the
 device's NVLink domain comes from NVML (``pynvml`` when importable) or from parsing
-``nvidia-smi topo -m``; elsewhere (and as the fallback) from the configuration's
-declared :class:`~cluster.config.WorkerPlacement`. The global scheduler compares two
+``nvidia-smi topo -m``; elsewhere (and as the fallback) from its Ray node's label
+``tierserve.io/nvlink-domain`` (set by the Helm chart), else from the configuration's
+declared :class:`~cluster.config.WorkerPlacement`. The node name likewise comes from the
+label ``tierserve.io/k8s-node`` before the declared one (see
+``cluster.worker_runtime.locate``). The global scheduler compares two
 locations with :func:`topology_class` to prefer decode workers in the prefill worker's
 domain and to count transfers by class.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,12 +21,50 @@ from dataclasses import dataclass
 from scheduler.topology import TopologyClass, WorkerInfo, WorkerRole
 
 __all__ = [
+    "LABEL_DOMAIN",
+    "LABEL_K8S_NODE",
+    "LABEL_ROLE",
     "TopologyClass",
     "WorkerLocation",
     "detect_location",
+    "domain_resource",
+    "label_value",
+    "role_resource",
     "nvlink_groups_from_topo_matrix",
     "topology_class",
 ]
+
+
+# Ray node labels the Helm chart puts on each worker node (``ray start --labels``).
+LABEL_DOMAIN = "tierserve.io/nvlink-domain"
+LABEL_ROLE = "tierserve.io/role"
+LABEL_K8S_NODE = "tierserve.io/k8s-node"
+
+
+def domain_resource(domain: str) -> str:
+    """The Ray custom resource of NVLink domain ``domain`` (the chart's name for it):
+    ``nvl-a`` -> ``tierserve_domain_nvl_a``."""
+    return "tierserve_domain_" + re.sub(r"[^A-Za-z0-9_]", "_", domain)
+
+
+def role_resource(role: str) -> str:
+    """The Ray custom resource of a worker group's nodes: ``tierserve_prefill``."""
+    return f"tierserve_{role}"
+
+
+def label_value(labels: object, key: str) -> str | None:
+    """One node label's value, or None when absent or empty (Ray gives ``str`` values;
+    a list is read as its first item)."""
+    if not isinstance(labels, dict):
+        return None
+    v = labels.get(key)
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    if v is None:
+        return None
+    text = str(v).strip()
+    # An unexpanded $(VAR) (the pod's env var missing) is not a value.
+    return text if text and not text.startswith("$(") else None
 
 
 @dataclass(frozen=True, slots=True)

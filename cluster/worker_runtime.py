@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 
 from cluster.config import ClusterConfig
 from cluster.messages import WorkerEvent, event
-from cluster.topology import WorkerLocation, detect_location
+from cluster.topology import (
+    LABEL_DOMAIN,
+    LABEL_K8S_NODE,
+    WorkerLocation,
+    detect_location,
+    label_value,
+)
 from router.backend import GenerationSpec
 
 T = TypeVar("T")
@@ -78,20 +84,42 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
     return LLMEngine(ec)
 
 
-def locate(cfg: ClusterConfig, role: str, index: int, device: str) -> WorkerLocation:
-    """This worker's node, device and NVLink domain (NVML on GPU, else the config)."""
+def node_labels() -> dict[str, str]:
+    """This process's Ray node labels ({} outside Ray)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        return dict(ray.get_runtime_context().get_node_labels() or {})
+    except Exception:  # outside a Ray worker (unit tests)
+        return {}
+
+
+def locate(cfg: ClusterConfig, role: str, index: int, device: str,
+           labels: dict[str, str] | None = None) -> WorkerLocation:
+    """This worker's node, device and NVLink domain.
+
+    Node: the node label ``tierserve.io/k8s-node``, else the declared node, else the Ray
+    node id. Domain: NVML / nvidia-smi on CUDA devices (GPU-local facts win), else the
+    node label ``tierserve.io/nvlink-domain``, else the declared domain, else one
+    domain per node. ``labels`` defaults to this Ray node's labels.
+    """
+    labels = node_labels() if labels is None else labels
     declared = cfg.topology.prefill if role == "prefill" else cfg.topology.decode
     entry = declared[index] if index < len(declared) else None
-    if entry is not None:
+    node = label_value(labels, LABEL_K8S_NODE)
+    if node is None and entry is not None:
         node = entry.node
-    else:
+    if node is None:
         try:
             import ray
 
             node = ray.get_runtime_context().get_node_id()[:12]
         except Exception:  # outside Ray (unit tests): the host name
             node = os.uname().nodename
-    return detect_location(node, device, entry.nvlink_domain if entry else None)
+    domain = label_value(labels, LABEL_DOMAIN) or (entry.nvlink_domain if entry else None)
+    return detect_location(node, device, domain)
 
 
 def bytes_per_block(engine: Any) -> int:

@@ -1,7 +1,10 @@
 """Two Ray nodes as two NVLink domains, 2 prefill + 2 decode workers (ray.cluster_utils).
 
-Requests decode in their prefill worker's domain while capacity allows, and every
-transfer is counted by topology class. The requests go through the router's cluster
+The nodes are labelled and given resources the way the Helm chart does it
+(``tierserve.io/nvlink-domain``, ``tierserve.io/k8s-node``, ``tierserve_domain_<name>``):
+the workers are scheduled onto their declared domain's node by that resource alone, and
+report the labelled node names and domains. Requests decode in their prefill worker's
+domain while capacity allows, and every transfer is counted by topology class. The requests go through the router's cluster
 backend directly (no HTTP), to keep this module's time small."""
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 NUM_REQUESTS = 24
+LABEL_DOMAIN = "tierserve.io/nvlink-domain"
+LABEL_NODE = "tierserve.io/k8s-node"
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +38,17 @@ def two_node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     path = make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
     ray_cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1"})
-    ray_cluster.add_node(num_cpus=2, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+        "num_cpus": 2, "resources": {"tierserve_domain_nvl_a": 1}, "include_dashboard": False,
+        "node_ip_address": "127.0.0.1", "labels": {LABEL_DOMAIN: "nvl-a", LABEL_NODE: "gpu-a"}})
+    ray_cluster.add_node(num_cpus=2, resources={"tierserve_domain_nvl_b": 1},
+                         node_ip_address="127.0.0.1",
+                         labels={LABEL_DOMAIN: "nvl-b", LABEL_NODE: "gpu-b"})
     ray.init(address=ray_cluster.address, namespace="tierserve-topology")
     place = "[{node: a, nvlink_domain: nvl-a}, {node: b, nvlink_domain: nvl-b}]"
     cfg = load_config(overrides=[
         f"model.path={path}", "model.dtype=float32", "pools.num_prefill=2", "pools.num_decode=2",
         "pools.num_cpus_per_worker=0.25", "pools.num_kv_blocks=128",
-        f"topology.prefill={place}", f"topology.decode={place}",
-        "topology.pin_to_node_resource=true"], environ={})
+        f"topology.prefill={place}", f"topology.decode={place}"], environ={})
     handles = start_workers(cfg)
     yield handles, path
     ray.shutdown()
@@ -83,9 +89,11 @@ def test_decode_stays_in_the_prefill_domain_and_transfers_are_counted(two_node_c
     assert by_class["same_domain"] >= 0.95 * total
     metrics = ray.get(handles.scheduler.metrics.remote(), timeout=10).decode()
     assert 'tierserve:kv_transfer_bytes_total{topology="same_domain"}' in metrics
-    # The pinned workers really run on two Ray nodes, one per declared node.
-    ray_nodes = {i["location"]["node"]: set() for i in handles.infos}
+    # Each worker runs on the Ray node labelled with its declared domain (placed by the
+    # tierserve_domain_<name> resource) and reports that node's labels.
+    labels = {n["NodeID"]: n["Labels"] for n in ray.nodes() if n["Alive"]}
     for i in handles.infos:
-        ray_nodes[i["location"]["node"]].add(i["ray_node_id"])
-    assert all(len(ids) == 1 for ids in ray_nodes.values())
-    assert ray_nodes["a"] != ray_nodes["b"]
+        node_labels = labels[i["ray_node_id"]]
+        assert i["location"]["nvlink_domain"] == node_labels[LABEL_DOMAIN]
+        assert i["location"]["node"] == node_labels[LABEL_NODE]
+    assert {i["location"]["node"] for i in handles.infos} == {"gpu-a", "gpu-b"}

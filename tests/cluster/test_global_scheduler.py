@@ -8,6 +8,8 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from cluster.global_scheduler import GlobalScheduler, WorkerGone
 from cluster.messages import WorkerEvent, event
 from scheduler.request import RequestState
@@ -154,6 +156,51 @@ def test_dead_worker_loses_its_requests_and_placement_avoids_it() -> None:
         again = await gs.submit(spec("after", 30))
         assert again["decode_worker_id"] == "d-b"
         assert gs.stats()["workers"]["d-a"]["alive"] is False
+        await gs.close()
+
+    asyncio.run(go())
+
+
+def test_closed_requests_are_traced_and_scrapes_snapshot_counts_and_shares() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.tracing import RequestTracer
+
+    def samples(gs: GlobalScheduler) -> dict[tuple[str, tuple], float]:
+        text = gs.render_metrics()[0].decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    async def go() -> None:
+        exporter = InMemorySpanExporter()
+        workers = FakeWorkers({"d-a": 64})
+        gs = GlobalScheduler(default_tiers(), "tierserve", BS, workers,
+                             control_interval_s=0.01, tracer=RequestTracer(exporter))
+        gs.register_worker(WorkerInfo("p-a", WorkerRole.PREFILL, "n", "cpu", "A", 64), 64)
+        gs.register_worker(WorkerInfo("d-a", WorkerRole.DECODE, "n", "cpu", "A", 64), 64)
+        t = await gs.submit(spec("x", 40, tier=2))
+        m = samples(gs)
+        assert m[("tierserve:num_requests_running", (("tier", "2"),))] == 1
+        assert m[("tierserve:prefix_cache_queries_total", ())] == 40 // BS
+        assert sum(v for (name, _), v in m.items() if name == "tierserve:tier_share") \
+            == pytest.approx(1.0)
+        now = time.time()
+        gs.report({"worker_id": t["decode_worker_id"], "num_free_blocks": 61,
+                   "running": [["x", 3]], "events": [
+                       event("x", WorkerEvent.PREFILL_DONE, now),
+                       event("x", WorkerEvent.DECODE_START, now),
+                       event("x", WorkerEvent.PREEMPTED_SWAP, now) | {"for_req_id": "y"}]})
+        m = samples(gs)
+        assert m[("tierserve:num_requests_preempted", (("tier", "2"),))] == 1
+        assert m[("tierserve:num_requests_swapped", (("tier", "2"),))] == 1
+        assert m[("tierserve:num_requests_running", (("tier", "2"),))] == 0
+        assert not exporter.get_finished_spans()  # traced when closed, not before
+        await gs.abort("x")
+        spans = exporter.get_finished_spans()
+        (pre,) = [s for s in spans if s.name == "preemption"]
+        assert pre.attributes["tierserve.preempt.blocking_req_id"] == "y"
+        assert {s.attributes["tierserve.req_id"] for s in spans} == {"x"}
         await gs.close()
 
     asyncio.run(go())
