@@ -1,0 +1,264 @@
+"""The scheduling policy: every decision the cluster or the simulator asks for.
+
+A :class:`SchedulingPolicy` bundles the decisions of one scheduler design, each
+a function of a snapshot returning a plan that the caller applies:
+
+1. ``admit``: on arrival, accept / queue / reject (with retry-after).
+2. ``place_prefill``: which prefill worker (prefix match + load).
+3. ``order``: which waiting requests a worker runs first this step.
+4. ``place_decode``: which decode worker reserves the request's blocks.
+5. ``preempt_for``: a waiting request finds no decode memory: preempt now?
+6. ``on_kv_pressure``: running requests need blocks the worker lacks: victims.
+7. ``tick``: every control interval, the deadline watcher and fair share.
+
+:class:`TierservePolicy` is this project's design; the peer policies that
+reproduce vLLM, SGLang and Dynamo live in :mod:`scheduler.peers`, and
+:mod:`scheduler.policies` is the registry that builds any of them by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from scheduler.admission import (
+    AdmissionController,
+    AdmissionDecision,
+    AdmissionKind,
+    AdmissionReason,
+    LoadSnapshot,
+    should_preempt_now,
+)
+from scheduler.deadlines import DeadlineWatcher, ServiceEstimate
+from scheduler.fairshare import FairShareController, ShareLedger, TailTracker
+from scheduler.ordering import (
+    DEFAULT_ORDERING,
+    OrderingPolicy,
+    SlackPolicy,
+    WfqPolicy,
+    make_ordering,
+)
+from scheduler.placement import (
+    DecodeChoice,
+    DecodeView,
+    PrefillView,
+    choose_decode,
+    choose_prefill,
+)
+from scheduler.preemption import (
+    PreemptionPlan,
+    PreemptMode,
+    Victim,
+    VictimScorer,
+    VictimView,
+    choose_victims,
+)
+from scheduler.queues import HeapQueue, SlackQueue, SortedQueue, WaitQueue
+from scheduler.request import Request
+from scheduler.tiers import TierConfig
+from scheduler.topology import LinkCosts, WorkerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    tiers: TierConfig
+    est: ServiceEstimate
+    costs: LinkCosts
+    block_size: int = 16
+
+
+class SchedulingPolicy:
+    """Defaults: accept everything, least-loaded placement, arrival order, no preemption."""
+
+    name = "base"
+    respects_anti_thrash = True
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.tiers = ctx.tiers
+        self.shares: tuple[float, ...] = ctx.tiers.shares()
+
+    def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
+        kind = AdmissionKind.ACCEPT if load.has_capacity_now else AdmissionKind.QUEUE
+        reason = (AdmissionReason.CAPACITY_NOW if load.has_capacity_now
+                  else AdmissionReason.FEASIBLE_LATER)
+        return AdmissionDecision(kind, reason, 0.0)
+
+    def place_prefill(self, req: Request, views: Sequence[PrefillView]) -> PrefillView | None:
+        return min(views, key=lambda v: v.backlog_s, default=None)
+
+    def order(self, reqs: Sequence[Request], now: float) -> list[Request]:
+        return sorted(reqs, key=lambda r: r.arrival_time)
+
+    def make_queue(self) -> WaitQueue:
+        """A worker's wait queue that hands out requests in this policy's order."""
+        return HeapQueue(key=lambda r: (r.arrival_time,))
+
+    # Whether a request that cannot run now (no decode memory) lets later ones pass.
+    skips_blocked = False
+
+    def prefill_step_tokens(self, default: int) -> int:
+        """Token budget of one prefill step (the engine's configured chunk by default)."""
+        return default
+
+    def prefill_step_seconds(self) -> float | None:
+        """Time budget of one prefill step (long contexts cost more per token); None: none."""
+        return None
+
+    def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
+                     prefill: WorkerInfo) -> DecodeChoice | None:
+        return choose_decode(need_blocks, views, prefill, self.ctx.costs, min_headroom=0.0)
+
+    def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
+                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+        return None
+
+    def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
+                       now: float) -> PreemptionPlan:
+        """Default: recompute the newest running requests until the need is met."""
+        chosen = []
+        freed = 0
+        for v in sorted(candidates, key=lambda v: -v.req.arrival_time):
+            if freed >= need_blocks:
+                break
+            chosen.append(Victim(v.req.req_id, PreemptMode.RECOMPUTE, v.num_blocks, 0.0))
+            freed += v.num_blocks
+        return PreemptionPlan(tuple(chosen), freed)
+
+    def tick(self, now: float, waiting: Iterable[Request]) -> None:
+        """Periodic control work (deadline watcher, fair share); none by default."""
+
+    def record_demand(self, tier: int, tokens: int, now: float) -> None: ...
+
+    def record_served(self, tier: int, tokens: int, work_s: float, now: float) -> None: ...
+
+    def observe_latency(self, tier: int, latency_s: float, target_s: float) -> None: ...
+
+    def protected_hashes(self, waiting: Iterable[Request]) -> Collection[int]:
+        """Block hashes that prefix waiting requests worth keeping cached; none by default."""
+        return ()
+
+
+class TierservePolicy(SchedulingPolicy):
+    """SLO tiers end to end: feasibility admission, prefix+load placement, slack (or
+    the configured) ordering with fair-share deficits, domain-aware decode
+    placement, conditional preemption priced by topology and restore cost."""
+
+    name = "tierserve"
+
+    def __init__(self, ctx: PolicyContext, ordering: str = DEFAULT_ORDERING,
+                 scorer: VictimScorer = VictimScorer.TOPOLOGY,
+                 decode_headroom: float = 0.05) -> None:
+        super().__init__(ctx)
+        self.watcher = DeadlineWatcher(ctx.tiers)
+        self.ordering: OrderingPolicy = make_ordering(ordering, ctx.tiers, ctx.est, self.watcher)
+        self.admission = AdmissionController(ctx.tiers, ctx.est)
+        self.fair = FairShareController(ctx.tiers)
+        self.ledger = ShareLedger(ctx.tiers.num_tiers)
+        self.tails = TailTracker(ctx.tiers.num_tiers)
+        self.scorer = scorer
+        self.decode_headroom = decode_headroom
+        ttfts = [t.ttft_s for t in ctx.tiers.tiers if t.ttft_s is not None]
+        tightest = min(ttfts) if ttfts else min(t.deadline_s for t in ctx.tiers.tiers)
+        tokens = self.tiers.anti_thrash_s / max(ctx.est.decode_token_s(), 1e-6)
+        self._growth_blocks = int(tokens // ctx.block_size) + 1
+        self._slo_step_s = self.STEP_FRACTION_OF_TTFT * tightest
+        self._slo_step_tokens = self._step_tokens_within(self._slo_step_s)
+
+    def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
+        return self.admission.decide(req, now, load)
+
+    def place_prefill(self, req: Request, views: Sequence[PrefillView]) -> PrefillView | None:
+        # Slack ordering runs tiers roughly in order, so only the work of this and
+        # more urgent tiers is ahead of the request.
+        ahead = req.tier + 1 if isinstance(self.ordering, SlackPolicy) else None
+        return choose_prefill(req.prompt_len, self.ctx.block_size, views, self.ctx.est, ahead)
+
+    def order(self, reqs: Sequence[Request], now: float) -> list[Request]:
+        return self.ordering.order(reqs, now)
+
+    def make_queue(self) -> WaitQueue:
+        if isinstance(self.ordering, SlackPolicy):
+            return SlackQueue(self.ordering)
+        return SortedQueue(self.ordering)
+
+    skips_blocked = True
+    # A prefill step may take at most this fraction of the tightest TTFT target, so
+    # an arrival of that tier waits at most one short step before it runs.
+    STEP_FRACTION_OF_TTFT = 0.25
+
+    def prefill_step_tokens(self, default: int) -> int:
+        return min(default, self._slo_step_tokens)
+
+    def prefill_step_seconds(self) -> float | None:
+        return self._slo_step_s
+
+    def _step_tokens_within(self, seconds: float) -> int:
+        lo, hi = 256, 1 << 16
+        if self.ctx.est.prefill_s(lo, 0) > seconds:
+            return lo
+        while hi - lo > 64:
+            mid = (lo + hi) // 2
+            if self.ctx.est.prefill_s(mid, 0) <= seconds:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
+                     prefill: WorkerInfo) -> DecodeChoice | None:
+        # Lower tiers leave headroom so decode growth of running requests and
+        # higher-tier arrivals rarely force a preemption.
+        # Running requests keep room to grow for one anti-thrash window, so growth
+        # never forces a second preemption inside that window.
+        reserve_frac = self.decode_headroom * req.tier
+        views_ok = [v for v in views
+                    if v.num_free_blocks - need_blocks
+                    >= reserve_frac * v.info.num_kv_blocks
+                    + (v.num_running * self._growth_blocks if req.tier else 0)]
+        return choose_decode(need_blocks, views_ok, prefill, self.ctx.costs, min_headroom=0.1)
+
+    def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
+                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+        plan = choose_victims(max(need_blocks - free_blocks, 0), candidates,
+                              requester_tier=req.tier, now=now, tiers=self.tiers,
+                              costs=self.ctx.costs, est=self.ctx.est, scorer=self.scorer)
+        threshold = self.tiers[req.tier].preempt_threshold
+        if not plan.victims or not should_preempt_now(need_blocks, free_blocks, plan.num_freed,
+                                                      threshold):
+            return None
+        return plan
+
+    def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
+                       now: float) -> PreemptionPlan:
+        top = min((v.req.tier for v in candidates), default=0)
+        return choose_victims(need_blocks, candidates, requester_tier=top - 1, now=now,
+                              tiers=self.tiers, costs=self.ctx.costs, est=self.ctx.est,
+                              scorer=self.scorer)
+
+    def tick(self, now: float, waiting: Iterable[Request]) -> None:
+        if isinstance(self.ordering, WfqPolicy):  # only WFQ reads the boost marks
+            self.watcher.tick(now, waiting)
+        ratios = [self.tails.p99_ratio(t) for t in range(self.tiers.num_tiers)]
+        new = self.fair.update(now, ratios)
+        if new is not None:
+            self.shares = new
+            self.ordering.set_shares(new)
+        self.ordering.deficit_tiers = self.ledger.deficit_tiers(self.shares, now)
+
+    def record_demand(self, tier: int, tokens: int, now: float) -> None:
+        self.ledger.record_demand(tier, tokens, now)
+
+    def record_served(self, tier: int, tokens: int, work_s: float, now: float) -> None:
+        self.ledger.record_served(tier, tokens, now)
+        self.ordering.on_served(tier, work_s)
+
+    def observe_latency(self, tier: int, latency_s: float, target_s: float) -> None:
+        self.tails.observe(tier, latency_s, target_s)
+
+    def protected_hashes(self, waiting: Iterable[Request]) -> Collection[int]:
+        out: set[int] = set()
+        for r in waiting:
+            if r.tier <= 1:
+                out.update(r.block_hashes)
+        return out

@@ -1,0 +1,1 @@
+"""The trace-driven discrete-event simulator (see :mod:`scheduler.sim.simulator`)."""

@@ -1,0 +1,88 @@
+"""Fair share controller, share ledger and admission through their public API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from scheduler.admission import (
+    AdmissionController,
+    AdmissionKind,
+    LoadSnapshot,
+    should_preempt_now,
+)
+from scheduler.fairshare import FairShareController, ShareLedger
+from scheduler.invariants import check_shares
+from scheduler.testing import EST, make_request
+from scheduler.tiers import ShareMode, default_tiers
+
+TIERS = default_tiers()
+
+
+def test_shares_move_at_most_the_step_and_sum_to_one() -> None:
+    fs = FairShareController(TIERS)
+    before = fs.shares
+    new = fs.update(0.0, [4.0, 0.5, None, 0.5])
+    assert new is not None
+    assert max(abs(a - b) for a, b in zip(new, before, strict=True)) <= 0.10 + 1e-12
+    assert new[0] > before[0]
+    assert check_shares(new) == []
+
+
+def test_shares_update_once_per_interval_and_converge() -> None:
+    fs = FairShareController(TIERS)
+    assert fs.update(0.0, [4.0, 1.0, 1.0, 1.0]) is not None
+    assert fs.update(0.05, [4.0, 1.0, 1.0, 1.0]) is None
+    t = 0.0
+    for _ in range(50):
+        t += 0.1
+        fs.update(t, [4.0, 1.0, 1.0, 1.0])
+        assert check_shares(fs.shares) == []
+    assert fs.shares[0] > 0.5
+
+
+def test_quota_mode_keeps_reservations() -> None:
+    fs = FairShareController(dataclasses.replace(TIERS, share_mode=ShareMode.QUOTA))
+    assert fs.update(0.0, [4.0, 0.5, 0.5, 0.5]) is None
+    assert fs.shares == TIERS.shares()
+
+
+def test_ledger_flags_a_tier_served_below_its_entitlement() -> None:
+    led = ShareLedger(4)
+    for t in range(4):
+        led.record_demand(t, 1000, 0.0)
+    led.record_served(0, 1000, 0.0)
+    led.record_served(1, 1000, 0.0)
+    deficit = led.deficit_tiers(TIERS.shares(), 0.0)
+    assert deficit == frozenset({2, 3})
+
+
+def test_admission_accepts_queues_and_rejects_with_retry_after() -> None:
+    adm = AdmissionController(TIERS, EST, tolerance=0.0)
+    t0 = make_request("t0", tier=0, arrival=0.0, prompt=500)  # 0.05 s prefill, 0.2 s TTFT
+    t1 = make_request("t1", tier=1, arrival=0.0, prompt=500)  # 2 s TTFT
+    idle = LoadSnapshot([0.0, 0.0, 0.0, 0.0], 1, True)
+    busy = LoadSnapshot([0.05, 5.0, 5.0, 5.0], 1, False)
+    assert adm.decide(t0, 0.0, idle).kind is AdmissionKind.ACCEPT
+    assert adm.decide(t0, 0.0, busy).kind is AdmissionKind.QUEUE
+    flooded = LoadSnapshot([0.19, 2.0, 0.0, 0.0], 1, False)
+    d = adm.decide(t1, 0.0, flooded)
+    # 0.19 s of tier-0 and 2.0 s of tier-1 work ahead, plus its own 0.05 s: past 2 s.
+    assert d.kind is AdmissionKind.REJECT and d.retry_after_s == pytest.approx(0.24)
+    # Tier-0 work beyond its 0.2 s window is demoted behind: it does not count.
+    stale = LoadSnapshot([50.0, 0.0, 0.0, 0.0], 1, False)
+    assert adm.decide(t1, 0.0, stale).kind is AdmissionKind.QUEUE
+
+
+def test_batch_tiers_are_never_rejected() -> None:
+    adm = AdmissionController(TIERS, EST)
+    req = make_request("r", tier=3, arrival=0.0, prompt=500)
+    flooded = LoadSnapshot([0.0, 0.0, 0.0, 10_000.0], 1, False)
+    assert adm.decide(req, 0.0, flooded).kind is AdmissionKind.QUEUE
+
+
+def test_conditional_preemption_threshold() -> None:
+    assert should_preempt_now(100, 50, 40, 0.9)
+    assert not should_preempt_now(100, 50, 39, 0.9)
+    assert not should_preempt_now(0, 50, 40, 0.9)

@@ -1,0 +1,59 @@
+"""`tierserve simulate`: flags, printed table, JSON shape, plot, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+SPEC = "rate=8,duration=6,prompt=800,output=60,prefix_groups=2"
+SMALL = "prefill=1,decode=1,gpus_per_node=2"
+
+
+def test_json_shape_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "p.png"
+    rc = main(["simulate", "--trace", SPEC, "--format", "poisson", "--policies",
+               "tierserve,vllm-fcfs", "--load", "1,2", "--cluster", SMALL,
+               "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["policy"], r["load"]) for r in runs] == [
+        ("tierserve", 1.0), ("vllm-fcfs", 1.0), ("tierserve", 2.0), ("vllm-fcfs", 2.0)]
+    for r in runs:
+        for key in ("goodput_rps", "throughput_tok_s", "preemptions", "prefix_hit_rate", "wall_s"):
+            assert key in r
+        assert set(r["tiers"]) == {"0", "1", "2", "3"}
+        for t in r["tiers"].values():
+            for key in ("attainment", "ttft_p50", "ttft_p99", "tpot_p99", "completed", "rejected"):
+                assert key in t
+    assert png.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "tierserve" in printed and "goodput" in printed
+
+
+def test_unknown_policy_is_refused_with_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["simulate", "--trace", SPEC, "--format", "poisson", "--policies", "vllm-lifo"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "vllm-lifo" in err and "sglang-lpm" in err and "tierserve" in err
+
+
+def test_malformed_trace_names_file_and_line(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+                 '{"timestamp": 5, "input_length": 10}\n')
+    assert main(["simulate", "--trace", str(p)]) == 2
+    assert f"{p}:2:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--load", "0", "--load"), ("--cluster", "decode=0", "cluster.decode"),
+    ("--tier-mix", "50,50", "--tier-mix"),
+])
+def test_bad_flags_name_the_field(flag: str, value: str, field: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", SPEC, "--format", "poisson", flag, value]) == 2
+    assert field in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Statistical model checking: random workloads through the real kernel."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from scheduler.verify import cli
+from scheduler.verify.faults import OverbookingAccount, thrashing_policy
+from scheduler.verify.trajectories import (
+    TrajectoryResult,
+    WorkloadSpec,
+    p99,
+    run_one,
+    run_trajectories,
+    trajectory_scope,
+    wilson_interval,
+)
+
+
+def test_wilson_interval_matches_known_values() -> None:
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson_interval(100, 100)
+    assert hi == 1.0 and lo == pytest.approx(0.9630, abs=1e-4)
+    with pytest.raises(ValueError):
+        wilson_interval(0, 0)
+
+
+def test_p99_is_nearest_rank() -> None:
+    assert p99([0.3, 0.1, 0.2]) == 0.3
+    assert p99([float(i) for i in range(1, 201)]) == 198.0
+
+
+def test_random_workloads_hold_every_hard_invariant() -> None:
+    res = run_trajectories(150, seed=3, processes=1)
+    assert res.trajectories == 150 and res.states > 150 * 5
+    assert res.num_violations == 0, res.counterexamples
+    assert res.tier0_trajectories > 0
+    rate = res.tier0_p99_ok_rate
+    ci = res.ci95
+    assert rate is not None and ci is not None and ci[0] <= rate <= ci[1]
+
+
+def test_parallel_run_equals_sequential() -> None:
+    seq = run_trajectories(24, seed=1, processes=1)
+    par = run_trajectories(24, seed=1, processes=2, parallel_min=1)
+    assert (par.trajectories, par.states, par.violations, par.tier0_trajectories,
+            par.tier0_ok) == (seq.trajectories, seq.states, seq.violations,
+                              seq.tier0_trajectories, seq.tier0_ok)
+
+
+def test_injected_faults_are_caught_and_reproducible() -> None:
+    res = run_trajectories(60, seed=0, account_factory=OverbookingAccount, processes=1)
+    assert res.violations["kv_budget"] > 0
+    cex = res.counterexamples[0]
+    assert cex["invariant"] == "kv_budget" and cex["trace"]
+    again = run_one(int(cex["seed"]), trajectory_scope(), WorkloadSpec(),  # type: ignore[call-overload]
+                    account_factory=OverbookingAccount)
+    assert again.violations and again.violations[0].detail == cex["detail"]
+    assert again.trace == cex["trace"]
+    thrash = run_trajectories(300, seed=0, policy_factory=thrashing_policy, processes=1,
+                              spec=WorkloadSpec(min_requests=8, max_requests=12,
+                                                mean_gap_ticks=0.5, fail_prob=0.0))
+    assert thrash.violations["anti_thrash"] > 0
+
+
+def test_wire_format_round_trips() -> None:
+    res = run_trajectories(5, seed=2, account_factory=OverbookingAccount, processes=1)
+    back = TrajectoryResult.from_wire(res.to_wire())
+    assert (back.trajectories, back.states, back.violations, back.counterexamples) == (
+        res.trajectories, res.states, res.violations, res.counterexamples)
+
+
+def test_workload_spec_validation() -> None:
+    with pytest.raises(ValueError, match="tier_mix"):
+        WorkloadSpec(tier_mix=(0.5, 0.6))
+    with pytest.raises(ValueError, match="min_requests"):
+        WorkloadSpec(min_requests=5, max_requests=2)
+
+
+def test_cli_trajectories_json(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    out = tmp_path / "t.json"
+    args = p.parse_args(["--trajectories", "40", "--seed", "4", "--json", str(out),
+                         "--tiers", "2", "--processes", "1"])
+    assert cli.run(args) == 0
+    d = json.loads(out.read_text())
+    assert d["trajectories"] == 40 and d["states"] > 0
+    assert sum(d["violations"].values()) == 0
+    if d["tier0_p99_ok_rate"] is not None:
+        assert d["ci95"][0] <= d["tier0_p99_ok_rate"] <= d["ci95"][1]
+    assert cli.run(p.parse_args(["--trajectories", "0"])) == 2
