@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from scheduler.topology import TopologyClass, WorkerInfo, WorkerRole
+from scheduler.topology import TopologyClass, WorkerInfo, WorkerRole, classify
 
 __all__ = [
     "LABEL_DOMAIN",
@@ -87,13 +87,7 @@ class WorkerLocation:
 
 
 def topology_class(a: WorkerLocation, b: WorkerLocation) -> TopologyClass:
-    if a.node != b.node:
-        return TopologyClass.CROSS_NODE
-    if a.device == b.device and a.device != "cpu":
-        return TopologyClass.SAME_DEVICE
-    if a.nvlink_domain == b.nvlink_domain:
-        return TopologyClass.SAME_DOMAIN
-    return TopologyClass.SAME_NODE
+    return classify(a.node, a.device, a.nvlink_domain, b.node, b.device, b.nvlink_domain)
 
 
 def nvlink_groups_from_topo_matrix(text: str) -> dict[int, int]:

@@ -38,14 +38,20 @@ class WorkerInfo:
     num_kv_blocks: int
 
 
-def topology_class(a: WorkerInfo, b: WorkerInfo) -> TopologyClass:
-    if a.node != b.node:
+def classify(node_a: str, device_a: str, domain_a: str,
+             node_b: str, device_b: str, domain_b: str) -> TopologyClass:
+    """The one rule for how far a block travels; CPU "devices" are never shared."""
+    if node_a != node_b:
         return TopologyClass.CROSS_NODE
-    if a.device == b.device and a.device != "cpu":
+    if device_a == device_b and device_a != "cpu":
         return TopologyClass.SAME_DEVICE
-    if a.domain == b.domain:
+    if domain_a == domain_b:
         return TopologyClass.SAME_DOMAIN
     return TopologyClass.SAME_NODE
+
+
+def topology_class(a: WorkerInfo, b: WorkerInfo) -> TopologyClass:
+    return classify(a.node, a.device, a.domain, b.node, b.device, b.domain)
 
 
 @dataclass(frozen=True, slots=True)
