@@ -164,6 +164,7 @@ class GlobalScheduler:
         self.tracer = tracer
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # aborts in flight (strong refs)
 
     async def close(self) -> None:
         """Stop the placement loop (the actor's end, or a test's)."""
@@ -251,7 +252,9 @@ class GlobalScheduler:
         self._wake.set()
         return await asyncio.shield(live.placed)
 
-    async def abort(self, req_id: str) -> None:
+    async def abort(self, req_id: str, decision: Decision = Decision.CLIENT_GONE,
+                    by: str = "router:abort") -> None:
+        """End the request everywhere: its queue slot, its workers' blocks, its books."""
         lv = self.live.get(req_id)
         if lv is None:
             return
@@ -263,7 +266,7 @@ class GlobalScheduler:
                 await self.client.abort(str(wid), req_id)
             except WorkerGone:
                 self.mark_dead(str(wid))
-        self._move(req_id, RequestState.ABORTED, Decision.CLIENT_GONE, "router:abort")
+        self._move(req_id, RequestState.ABORTED, decision, by)
         self._close(req_id)
 
     def finish(self, req_id: str, timing: Mapping[str, Any]) -> None:
@@ -508,7 +511,13 @@ class GlobalScheduler:
         elif kind is WorkerEvent.TRANSFER_FAILED:
             self._move(rid, S.ABORTED, D.TRANSFER_FAILED, by, mem=mem)
         elif kind is WorkerEvent.ABORTED:
-            self._move(rid, S.ABORTED, D.ERROR, by, mem=mem)
+            # A worker gave up on the request (its reader left, or the engine refused it):
+            # the other worker still holds blocks for it, and no router abort may follow.
+            d = D.CLIENT_GONE if ev.get("reason") == "reader_gone" else D.ERROR
+            self._move(rid, S.ABORTED, d, by, mem=mem)
+            task = asyncio.get_running_loop().create_task(self.abort(rid, d, by))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _move(self, rid: str, to: RequestState, decision: Decision, by: str, *,
               mem: float = 0.0, kv_reuse_hit: int = 0, blocking: str | None = None) -> None:

@@ -17,7 +17,8 @@ Life of a request on a decode worker (STYLE.md item 7):
    host memory or recompute); swapped requests come back (``swap_in``) in the order the
    scheduling policy gives, as soon as blocks are free. The engine itself recomputes the
    newest request when a decode finds no block; both are reported as events.
-6. ABORT: router abort (client gone) or a dead peer: blocks freed, stream closed.
+6. ABORT: router abort (client gone), a reader that leaves the stream before its end, or a
+   dead peer: blocks freed, stream closed.
 
 Every lifecycle change is reported to the global scheduler as an event (msgpack report,
 every control interval). :class:`DecodeWorker` is a plain class; :class:`DecodeWorkerActor`
@@ -141,15 +142,27 @@ class DecodeWorker:
         if q is None:
             yield {"t": [], "f": None, "e": "unknown_request"}
             return
+        ended = False
         try:
             while True:
                 item = await q.get()
                 yield item
                 if item["f"] is not None or item["e"] is not None:
+                    ended = True
                     return
         finally:
             self._streams.pop(req_id, None)
             self._retired.pop(req_id, None)
+            if not ended and req_id in self._reqs:
+                self._reader_gone(req_id)
+
+    def _reader_gone(self, req_id: str) -> None:
+        """The reader left mid-request (its client hung up). The router's abort may never
+        come (Ray Serve cancels it with the request), so free the blocks here and tell the
+        global scheduler, which ends the request everywhere else."""
+        log.info("reader of %s left before the end: aborting it", req_id)
+        self._buffer.add(req_id, WorkerEvent.ABORTED, reason="reader_gone")
+        asyncio.get_running_loop().create_task(self.abort(req_id))
 
     async def abort(self, req_id: str, error: str | None = None) -> None:
         """Drop the request; ``error`` set: the stream ends with it (the router retries),
@@ -417,8 +430,12 @@ def _make_actor_class() -> Any:
 
         async def stream(self, req_id: str) -> AsyncIterator[bytes]:
             assert self._worker is not None
-            async for item in self._worker.stream(req_id):
-                yield pack(item)
+            inner = self._worker.stream(req_id)
+            try:
+                async for item in inner:
+                    yield pack(item)
+            finally:
+                await inner.aclose()  # now, not at GC: a reader gone aborts the request
 
         async def abort(self, req_id: str, error: str | None = None) -> None:
             assert self._worker is not None

@@ -16,6 +16,7 @@ which frees its blocks. Nothing here knows about Ray: the Serve deployment in
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 import uuid
@@ -275,9 +276,18 @@ def build_app(
             headers={REQUEST_ID_HEADER: spec.req_id},
         )
 
+    closing: set[asyncio.Task[None]] = set()
+
     async def _close(call: _Call) -> None:
+        # A fresh context: Ray counts every Ray call made in a request's context as that
+        # request's child, and Ray Serve cancels them all when the client hangs up, this
+        # abort included. From an empty context it is nobody's child and goes through.
+        task = asyncio.get_running_loop().create_task(call.close(),
+                                                      context=contextvars.Context())
+        closing.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(closing.discard)
         try:
-            await asyncio.shield(call.close())
+            await asyncio.shield(task)
         finally:
             _report(call)
 

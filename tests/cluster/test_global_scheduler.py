@@ -115,6 +115,31 @@ def test_reports_move_the_state_machine_and_finish_closes_the_books() -> None:
     asyncio.run(go())
 
 
+def test_worker_abort_ends_the_request_on_every_worker_without_a_router_abort() -> None:
+    """A decode worker whose reader left reports ABORTED: the prefill worker is told too,
+    and the books close, though the router's own abort never arrives."""
+    from scheduler.request import Decision
+
+    async def go() -> None:
+        gs, w = make_scheduler({"d-a": 64, "d-b": 64})
+        t = await gs.submit(spec("gone", 40, tier=1))
+        gs.report({"worker_id": t["decode_worker_id"], "num_free_blocks": 61,
+                   "events": [event("gone", WorkerEvent.ABORTED, time.time())
+                              | {"reason": "reader_gone"}]})
+        for _ in range(100):
+            if "gone" not in gs.live:
+                break
+            await asyncio.sleep(0.01)
+        assert "gone" not in gs.live
+        aborted = {c[1] for c in w.calls if c[0] == "abort" and c[2] == "gone"}
+        assert aborted == {t["prefill_worker_id"], t["decode_worker_id"]}
+        last = gs.logs["gone"].records[-1]
+        assert last.to_state is RequestState.ABORTED and last.decision is Decision.CLIENT_GONE
+        await gs.close()
+
+    asyncio.run(go())
+
+
 def test_full_decode_pool_preempts_a_lower_tier_for_tier0() -> None:
     async def go() -> None:
         gs, w = make_scheduler({"d-a": 16, "d-b": 0})
