@@ -302,7 +302,8 @@ class DecodeWorker:
             return
         views = [VictimView(r.kernel_view(RequestState.DECODING), self._info, r.num_blocks)
                  for r in running]
-        plan = self.policy.on_kv_pressure(need, views, time.time())
+        top = min(r.spec.tier for r in growing)
+        plan = self.policy.on_kv_pressure(need, views, time.time(), top)
         for v in plan.victims:
             mode = "swap" if v.mode is PreemptMode.SWAP else "recompute"
             await self.preempt(v.req_id, mode, for_req_id=None)

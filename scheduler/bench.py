@@ -152,8 +152,11 @@ def bench_step(policy: SchedulingPolicy, ctx: PolicyContext, *, running: int, wa
     held = sum(r.num_blocks_needed(bs) for r in run_reqs)
     # Requests whose context crosses a block boundary at step k need a block then.
     crossing = [0] * bs
+    crossing_top = [ctx.tiers.num_tiers] * bs  # the most urgent tier crossing at step k
     for r in run_reqs:
-        crossing[(-r.num_context_tokens) % bs] += 1
+        k = (-r.num_context_tokens) % bs
+        crossing[k] += 1
+        crossing_top[k] = min(crossing_top[k], r.tier)
     acct = KVBlockAccount("d0", held + free_blocks)
     for r in run_reqs:
         acct.allocate(r.req_id, r.num_blocks_needed(bs))
@@ -176,7 +179,7 @@ def bench_step(policy: SchedulingPolicy, ctx: PolicyContext, *, running: int, wa
         # needs one more block; short -> victims.
         grow = crossing[step % bs]
         if grow > acct.num_free:
-            policy.on_kv_pressure(grow - acct.num_free, views, now)
+            policy.on_kv_pressure(grow - acct.num_free, views, now, crossing_top[step % bs])
         # 2. Budget fill in policy order; the first request that does not fit
         # asks whether to preempt for it.
         fill = _BudgetFill(policy, acct, views, now, budget_tokens, bs)

@@ -50,7 +50,7 @@ class VllmFcfsPolicy(SchedulingPolicy):
         super().__init__(ctx)
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
+                       now: float, requester_tier: int) -> PreemptionPlan:
         return _recompute(sorted(candidates, key=lambda v: -v.req.arrival_time), need_blocks)
 
 
@@ -73,7 +73,7 @@ class VllmPriorityPolicy(VllmFcfsPolicy):
         return HeapQueue(key=lambda r: (r.tier, r.arrival_time))
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
+                       now: float, requester_tier: int) -> PreemptionPlan:
         return _recompute(sorted(candidates, key=lambda v: (-v.req.tier, -v.req.arrival_time)),
                           need_blocks)
 
@@ -133,7 +133,7 @@ class SglangLpmPolicy(SchedulingPolicy):
                          long_key=lambda r: (r.arrival_time,), long_threshold=self.LPM_FALLBACK)
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
+                       now: float, requester_tier: int) -> PreemptionPlan:
         # SGLang retracts the decode requests with the fewest output tokens first
         # (the longest remaining work), recomputed later.
         return _recompute(sorted(candidates, key=lambda v: (v.req.num_output_tokens,
@@ -188,5 +188,5 @@ class DynamoPriorityPolicy(SchedulingPolicy):
         return choose_decode(need_blocks, [best], prefill, self.ctx.costs, min_headroom=0.0)
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
+                       now: float, requester_tier: int) -> PreemptionPlan:
         return _recompute(sorted(candidates, key=lambda v: -v.req.arrival_time), need_blocks)

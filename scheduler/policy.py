@@ -8,7 +8,8 @@ a function of a snapshot returning a plan that the caller applies:
 3. ``order``: which waiting requests a worker runs first this step.
 4. ``place_decode``: which decode worker reserves the request's blocks.
 5. ``preempt_for``: a waiting request finds no decode memory: preempt now?
-6. ``on_kv_pressure``: running requests need blocks the worker lacks: victims.
+6. ``on_kv_pressure``: running requests need blocks the worker lacks: victims of tiers
+   after the most urgent one that needs a block.
 7. ``tick``: every control interval, the deadline watcher and fair share.
 
 :class:`TierservePolicy` is this project's design; the peer policies that
@@ -114,8 +115,11 @@ class SchedulingPolicy:
         return None
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
-        """Default: recompute the newest running requests until the need is met."""
+                       now: float, requester_tier: int) -> PreemptionPlan:
+        """Default: recompute the newest running requests until the need is met.
+
+        ``requester_tier``: the most urgent tier among the running requests that need
+        the blocks (a policy that honours tiers evicts only tiers after it)."""
         chosen = []
         freed = 0
         for v in sorted(candidates, key=lambda v: -v.req.arrival_time):
@@ -230,9 +234,11 @@ class TierservePolicy(SchedulingPolicy):
         return plan
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
-        top = min((v.req.tier for v in candidates), default=0)
-        return choose_victims(need_blocks, candidates, requester_tier=top - 1, now=now,
+                       now: float, requester_tier: int) -> PreemptionPlan:
+        # Only tiers after the most urgent grower's: evicting a more urgent request so a
+        # less urgent one can grow would invert the tiers. Same-tier growth that finds no
+        # victim falls back to the caller's stall or recompute of the last in order.
+        return choose_victims(need_blocks, candidates, requester_tier=requester_tier, now=now,
                               tiers=self.tiers, costs=self.ctx.costs, est=self.ctx.est,
                               scorer=self.scorer)
 

@@ -435,9 +435,11 @@ class Simulator:
         def extra(j: Job) -> int:
             return max(0, -(-(j.req.num_context_tokens + K_MAX) // self.bs) - j.num_blocks)
 
-        short = sum(extra(j) for j in jobs) - dw.account.num_free
+        growers = [j for j in jobs if extra(j) > 0]
+        short = sum(extra(j) for j in growers) - dw.account.num_free
         if short > 0:
-            plan = self.policy.on_kv_pressure(short, self._victim_views(dw), self.now)
+            top = min(j.req.tier for j in growers)
+            plan = self.policy.on_kv_pressure(short, self._victim_views(dw), self.now, top)
             if plan.victims:
                 self._doom(dw, plan, None, kick=False)
                 self._apply_doomed(dw)

@@ -39,9 +39,8 @@ class ThrashingPolicy(TierservePolicy):
         return plan if plan.victims else None
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
-                       now: float) -> PreemptionPlan:
-        top = min((v.req.tier for v in candidates), default=0)
-        return self._victims(need_blocks, candidates, top - 1, now)
+                       now: float, requester_tier: int) -> PreemptionPlan:
+        return self._victims(need_blocks, candidates, requester_tier, now)
 
 
 class OverbookingAccount(KVBlockAccount):

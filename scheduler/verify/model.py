@@ -554,7 +554,8 @@ class World:
         short = r.num_blocks_needed(sc.block_size, k) - acct.blocks_of(r.req_id)
         if short > 0 and not acct.allocate(r.req_id, short):
             lack = short - acct.num_free - acct.num_cached
-            plan = self.policy.on_kv_pressure(lack, self._victim_views(w, exclude=i), self.now)
+            plan = self.policy.on_kv_pressure(lack, self._victim_views(w, exclude=i), self.now,
+                                               r.tier)
             if plan.victims:
                 self._apply_plan(plan, r.req_id, "kv_pressure", r.tier)
             if r.state is not S.DECODING or not acct.allocate(r.req_id, short):

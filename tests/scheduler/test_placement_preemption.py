@@ -91,3 +91,23 @@ def test_design_notes_scorer_prefers_little_progress() -> None:
     plan = choose_victims(10, cands, requester_tier=0, now=0.0, tiers=TIERS, costs=COSTS,
                           est=EST, scorer=VictimScorer.DESIGN_NOTES)
     assert [v.req_id for v in plan.victims] == ["fresh"]
+
+
+def test_kv_pressure_never_evicts_a_more_urgent_tier_than_the_grower() -> None:
+    """A tier-3 request that needs a block may not push out a tier-0 one, even when the
+    only other victim sits in its anti-thrash window."""
+    from scheduler.policies import make_policy
+    from scheduler.policy import PolicyContext
+
+    policy = make_policy("tierserve", PolicyContext(TIERS, EST, COSTS, 16))
+    w = make_worker("d0")
+    t0 = make_request("t0", tier=0, prompt=20, state=RequestState.DECODING)
+    t3 = make_request("t3", tier=3, prompt=4000, state=RequestState.DECODING)
+    t3_recent = make_request("t3", tier=3, prompt=4000, state=RequestState.DECODING,
+                             last_preempt_time=9.5)
+    cands = [VictimView(t0, w, 2), VictimView(t3_recent, w, 250)]
+    assert policy.on_kv_pressure(1, cands, 10.0, requester_tier=3).victims == ()
+    cands = [VictimView(t0, w, 2), VictimView(t3, w, 250)]
+    assert policy.on_kv_pressure(1, cands, 10.0, requester_tier=3).victims == ()
+    assert [v.req_id for v in policy.on_kv_pressure(1, cands, 10.0, 0).victims] == ["t3"]
+    assert [v.req_id for v in policy.on_kv_pressure(1, cands, 10.0, 2).victims] == ["t3"]
