@@ -52,7 +52,7 @@ from cluster.aio import wait_event
 from cluster.messages import WorkerEvent
 from cluster.why import RequestLog, TransferInfo, explain
 from router.metrics import CONTENT_TYPE, MetricsRecorder
-from scheduler.admission import AdmissionKind, LoadSnapshot
+from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
 from scheduler.placement import DecodeView, PrefillView
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext, SchedulingPolicy
@@ -375,12 +375,26 @@ class GlobalScheduler:
         return [w for w in self.workers.values() if w.is_alive and w.info.role is role]
 
     def _load(self) -> LoadSnapshot:
-        backlog = [0.0] * self.tiers.num_tiers
+        n = self.tiers.num_tiers
+        backlog = [0.0] * n
+        queued = [0] * n
         for lv in self.queue.values():
             backlog[lv.req.tier] += self.est.prefill_s(lv.req.prompt_len, 0)
+            queued[lv.req.tier] += -(-(lv.req.prompt_len + 1) // self.block_size)
         prefill = self._alive(WorkerRole.PREFILL)
-        has_room = any(w.num_free_blocks > 0 for w in self._alive(WorkerRole.DECODE))
-        return LoadSnapshot(backlog, len(prefill), has_room and not self.queue)
+        decode = self._alive(WorkerRole.DECODE)
+        held = [0] * n
+        pairs = []
+        for w in decode:
+            for rid, blocks in w.running.items():
+                lv = self.live.get(rid)
+                if lv is not None:
+                    held[lv.req.tier] += blocks
+                    pairs.append((blocks, lv.req.max_new_tokens))
+        has_room = any(w.num_free_blocks > 0 for w in decode)
+        return LoadSnapshot(backlog, len(prefill), has_room and not self.queue, queued, held,
+                            sum(w.num_free_blocks for w in decode),
+                            kv_release_rate(pairs, self.est.decode_token_s()), self.block_size)
 
     async def _try_place(self, lv: _Live, now: float) -> bool:
         req = lv.req

@@ -1,8 +1,14 @@
 """Admission: accept, queue, or reject with a retry-after, from SLO feasibility.
 
 On arrival the global scheduler predicts the request's time to its binding
-deadline's milestone: the prefill work queued ahead of it (work of its own and
-more urgent tiers, spread over the prefill workers) plus its own prefill. If
+deadline's milestone: the longer of two waits, plus its own prefill. One is the
+prefill work queued ahead of it (work of its own and more urgent tiers, spread
+over the prefill workers). The other is the wait for decode memory: the KV
+blocks that queued requests of its own and more urgent tiers want, plus its own,
+beyond what is free or held by tiers it may preempt, drained at the rate the
+running requests release blocks. Prefill is rarely the bottleneck when prompts
+are long and KV is short; without the second term admission let in requests
+that then waited past their tier's starvation bound for decode memory. If
 that fits its deadline it is accepted (capacity free now) or queued (capacity
 frees up in time); if the load makes it miss (its own prefill alone would fit)
 by more than ``tolerance``, it is rejected with ``retry_after_s`` = how long
@@ -19,7 +25,7 @@ otherwise it waits for memory to free up.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler.deadlines import ServiceEstimate, deadline
@@ -49,11 +55,25 @@ class AdmissionDecision:
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """What admission reads: queued prefill work per tier (seconds of one worker)."""
+    """What admission reads: queued prefill work per tier (seconds of one worker) and,
+    when the caller knows it, decode memory (blocks summed over the decode workers)."""
 
     backlog_s_by_tier: Sequence[float]
     num_prefill_workers: int
     has_capacity_now: bool
+    # Decode KV, all optional: without a release rate the decode wait is not predicted.
+    kv_queued_blocks_by_tier: Sequence[int] = ()  # wanted by requests waiting for decode
+    kv_held_blocks_by_tier: Sequence[int] = ()  # held by running requests
+    kv_free_blocks: int = 0
+    kv_release_blocks_per_s: float | None = None
+    block_size: int = 16
+
+
+def kv_release_rate(held: Iterable[tuple[int, int]], decode_token_s: float) -> float | None:
+    """Blocks per second the running requests release, from (blocks, max new tokens)
+    pairs: each frees its blocks once per max_new_tokens x decode_token_s."""
+    rate = sum(b / max(n * decode_token_s, 1e-9) for b, n in held if b > 0)
+    return rate if rate > 0 else None
 
 
 class AdmissionController:
@@ -78,7 +98,7 @@ class AdmissionController:
                     for u, b in enumerate(load.backlog_s_by_tier[: req.tier + 1])) / workers
         own = self.est.prefill_s(max(req.prompt_len - req.num_computed_tokens, 1),
                                  req.num_computed_tokens)
-        predicted = ahead + own
+        predicted = max(ahead, self.kv_wait_s(req, load)) + own
         budget = deadline(req, self.tiers) - now
         if predicted <= budget:
             kind = AdmissionKind.ACCEPT if load.has_capacity_now else AdmissionKind.QUEUE
@@ -93,6 +113,18 @@ class AdmissionController:
             return AdmissionDecision(AdmissionKind.REJECT, AdmissionReason.NO_SLO_HEADROOM,
                                      predicted, retry_after_s=retry)
         return AdmissionDecision(AdmissionKind.QUEUE, AdmissionReason.FEASIBLE_LATER, predicted)
+
+    def kv_wait_s(self, req: Request, load: LoadSnapshot) -> float:
+        """Predicted wait for decode memory (0 when the snapshot has no release rate)."""
+        rate = load.kv_release_blocks_per_s
+        if not rate or not load.kv_queued_blocks_by_tier:
+            return 0.0
+        t = req.tier
+        own = -(-(req.prompt_len + 1) // max(load.block_size, 1))
+        need = sum(load.kv_queued_blocks_by_tier[: t + 1]) + own
+        # Tiers after this one can be preempted for it (swap, recompute or migrate).
+        avail = load.kv_free_blocks + sum(load.kv_held_blocks_by_tier[t + 1:])
+        return max(need - avail, 0) / rate
 
 
 def should_preempt_now(need_blocks: int, free_blocks: int, one_round_blocks: int,

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Collection, Iterator, Sequence
 
-from scheduler.admission import AdmissionKind, LoadSnapshot
+from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
 from scheduler.invariants import Violation, check_kv_budget, check_shares
 from scheduler.kv import KVBlockAccount
 from scheduler.placement import DecodeView, PrefillView
@@ -86,6 +86,7 @@ class Simulator:
         self._unfinished = 0
         self.num_preemptions = 0
         self.wall_s = 0.0
+        self._kv_queued = [0] * tiers.num_tiers  # decode blocks queued jobs wait for
 
     # -- event plumbing -------------------------------------------------------
     def _at(self, t: float, kind: int, obj: object) -> None:
@@ -122,7 +123,23 @@ class Simulator:
     def _load(self) -> LoadSnapshot:
         n = self.tiers.num_tiers
         backlog = [sum(w.backlog[t] for w in self.prefill) for t in range(n)]
-        return LoadSnapshot(backlog, len(self.prefill), any(not w.busy for w in self.prefill))
+        queued = list(self._kv_queued)
+        held = [0] * n
+        pairs = []
+        for dw in self.decode:
+            for j in itertools.chain(dw.running.values(), dw.pending):
+                held[j.req.tier] += j.num_blocks
+                pairs.append((j.num_blocks, j.req.max_new_tokens))
+            for j in dw.swapped:
+                queued[j.req.tier] += j.num_blocks
+        return LoadSnapshot(backlog, len(self.prefill), any(not w.busy for w in self.prefill),
+                            queued, held, sum(d.account.num_free for d in self.decode),
+                            kv_release_rate(pairs, self.cost.decode_token_s()), self.bs)
+
+    def _want_kv(self, job: Job, blocks: int) -> None:
+        """Count (blocks > 0) or uncount (0) the decode blocks a queued job waits for."""
+        self._kv_queued[job.req.tier] += blocks - job.kv_wanted
+        job.kv_wanted = blocks
 
     def _on_arrival(self, job: Job) -> None:
         req = job.req
@@ -149,6 +166,7 @@ class Simulator:
         job.queued_est = self.cost.prefill_s(max(job.ctx_target - req.num_computed_tokens, 1),
                                              req.num_computed_tokens)
         pw.backlog[req.tier] += job.queued_est
+        self._want_kv(job, -(-(job.ctx_target + 1) // self.bs))
         pw.queue.push(req, self.now)
         if not pw.busy:
             self._start_prefill(pw)
@@ -171,6 +189,7 @@ class Simulator:
             got = pw.index.acquire(req.block_hashes, lambda: self._protected(pw))
             if got is None:
                 self._release_decode(job)
+                self._want_kv(job, need)
                 return Verdict.SKIP
             hits = got
             job.num_pinned = len(req.block_hashes)
@@ -211,6 +230,7 @@ class Simulator:
         job.decode = dw
         job.num_blocks = need
         job.move_class = choice.move_class
+        self._want_kv(job, 0)
         return dw
 
     def _start_prefill(self, pw: PrefillWorker) -> None:

@@ -35,6 +35,7 @@ class Job:
     started: bool = False  # prefill began on the current prefill worker
     num_tokens_served: int = 0
     num_loaded_blocks: int = 0  # prefix blocks to copy in from the host tier this step
+    kv_wanted: int = 0  # decode blocks it waits for (queued, no reservation yet)
 
 
 @dataclass(slots=True)

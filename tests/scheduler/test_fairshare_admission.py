@@ -75,6 +75,35 @@ def test_admission_accepts_queues_and_rejects_with_retry_after() -> None:
     assert adm.decide(t1, 0.0, stale).kind is AdmissionKind.QUEUE
 
 
+def test_admission_sees_decode_memory_when_prefill_is_idle() -> None:
+    """Prefill has no backlog but decode memory is spoken for: a tier-1 request that
+    would wait past twice its 2 s TTFT for blocks is rejected; tier 0, which may preempt
+    what the later tiers hold, is queued; without a release rate there is no KV term."""
+    import dataclasses
+
+    from scheduler.admission import kv_release_rate
+
+    adm = AdmissionController(TIERS, EST)
+    t1 = make_request("t1", tier=1, arrival=0.0, prompt=1600)  # 101 blocks of 16
+    t0 = make_request("t0", tier=0, arrival=0.0, prompt=160)  # 11 blocks
+    rate = kv_release_rate([(100, 100), (100, 100), (0, 5)], 0.01)
+    assert rate == pytest.approx(200.0)  # 2 x 100 blocks, each freed after 1 s
+    assert kv_release_rate([], 0.01) is None
+    full = LoadSnapshot([0.0] * 4, 1, False, kv_queued_blocks_by_tier=[0, 1000, 0, 0],
+                        kv_held_blocks_by_tier=[0, 0, 200, 0], kv_free_blocks=0,
+                        kv_release_blocks_per_s=rate, block_size=16)
+    # Its own 101 blocks after tier 1's queued 1000, less the 200 tier 2 holds: 4.5 s.
+    assert adm.kv_wait_s(t1, full) == pytest.approx(901 / 200)
+    d = adm.decide(t1, 0.0, full)
+    assert d.kind is AdmissionKind.REJECT and d.retry_after_s == pytest.approx(
+        d.predicted_s - 2.0)
+    assert adm.decide(t0, 0.0, full).kind is AdmissionKind.QUEUE
+    light = dataclasses.replace(full, kv_queued_blocks_by_tier=[0, 200, 0, 0])
+    assert adm.decide(t1, 0.0, light).kind is AdmissionKind.QUEUE
+    unknown = dataclasses.replace(full, kv_release_blocks_per_s=None)
+    assert adm.kv_wait_s(t1, unknown) == 0.0
+
+
 def test_batch_tiers_are_never_rejected() -> None:
     adm = AdmissionController(TIERS, EST)
     req = make_request("r", tier=3, arrival=0.0, prompt=500)

@@ -37,13 +37,13 @@ def test_every_policy_completes_every_request_and_keeps_kv_within_budget() -> No
         assert total == len(TRACE)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: at 1.5x load on a 1000-block cluster some tier-1 requests wait 30-68 s for "
-    "prefill, past their 30 s starvation bound (decode memory stays short); open issue"))
 def test_tierserve_holds_hard_invariants_under_memory_pressure() -> None:
+    """Decode memory, not prefill, is the bottleneck here: admission must see it, or
+    tier-1 requests queue for KV past their 30 s starvation bound."""
     sim, run = _run("tierserve", load=1.5)
     assert run["preemptions"] > 0  # the scenario does exercise preemption
     assert all(v == 0 for v in run["violations"].values()), run["violations"]
+    assert run["tiers"]["1"]["rejected"] > 0  # the bound holds by saying no early
 
 
 def test_tierserve_protects_tier0_and_tier1_under_memory_pressure() -> None:
