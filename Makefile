@@ -22,7 +22,6 @@ $(STAMP): pyproject.toml requirements.txt requirements-test.txt
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tierserve prepare-model
 	$(BIN)/tierserve serve $(ARGS)
 
 test: $(STAMP)

@@ -20,6 +20,7 @@ On KubeRay, ``cluster.serve_app:app_builder`` builds the same pieces as detached
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Collection
@@ -177,12 +178,27 @@ def served_model_name(cfg: ClusterConfig) -> str:
     return Path(resolve_model_path(cfg.model.path)).name or "model"
 
 
-def build_router_app(cfg: ClusterConfig, handles: ClusterHandles) -> Any:
+def build_router_app(cfg: ClusterConfig, handles: ClusterHandles,
+                     max_model_len: int | None = None) -> Any:
+    """The router bound to the cluster; ``max_model_len`` None: the workers' (set up)."""
     from router.deployment import router_deployment
 
     return router_deployment().bind(
         cfg.to_dict(), handles.scheduler_name, handles.namespace, list(handles.decode),
-        served_model_name(cfg), handles.max_model_len, resolve_model_path(cfg.model.path))
+        served_model_name(cfg), max_model_len or handles.max_model_len,
+        resolve_model_path(cfg.model.path))
+
+
+def declared_max_model_len(cfg: ClusterConfig) -> int | None:
+    """The context length the workers will report (the engine takes the checkpoint's
+    ``max_position_embeddings``), read from its config.json without loading anything;
+    None when the checkpoint does not declare it there."""
+    path = Path(resolve_model_path(cfg.model.path)) / "config.json"
+    try:
+        declared = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return declared if isinstance(declared, int) and declared > 1 else None
 
 
 @dataclass
@@ -215,11 +231,20 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
     from ray import serve
 
     handles, setup_refs = launch_workers(cfg, suffix=suffix)
-    # Serve's controller and proxy start while the workers load the model.
+    # Serve's controller, its proxy and (when the context length is known without the
+    # workers) the router replica start while the workers load the model; /health says
+    # 503 until the workers have registered.
     serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
-    await_workers(handles, setup_refs)
-    serve.run(build_router_app(cfg, handles), name="tierserve", route_prefix="/",
+    max_len = declared_max_model_len(cfg)
+    if max_len is None:
+        await_workers(handles, setup_refs)
+    serve.run(build_router_app(cfg, handles, max_len), name="tierserve", route_prefix="/",
               blocking=False)
+    if max_len is not None:
+        await_workers(handles, setup_refs)
+        if handles.max_model_len != max_len:
+            raise RuntimeError(f"the workers serve a context of {handles.max_model_len} "
+                               f"tokens, the checkpoint declares {max_len}")
     return RunningCluster(cfg, handles)
 
 

@@ -3,7 +3,8 @@
 Single machine: a local Ray instance whose traffic stays on 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use the loopback address as the node
 address). Multi-node: ``ray start`` on each node, then ``tierserve serve --address auto``.
-The default model is the one ``tierserve prepare-model`` builds.
+The default model is the one ``tierserve prepare-model`` builds; ``serve`` builds it
+first when it is missing. The router replica starts while the workers load the model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from cluster.config import ConfigError, load_config
 
@@ -61,6 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from cluster.app import deploy, init_ray, resolve_model_path
 
     model = resolve_model_path(cfg.model.path)
+    if cfg.model.path == "default":
+        from engine.prepare_model import is_prepared, prepare
+
+        if not is_prepared(Path(model)):
+            print("tierserve serve: building the embedded default model (once)", flush=True)
+            try:
+                prepare(Path(model), log=lambda m: print(m, flush=True))
+            except (FileNotFoundError, RuntimeError) as e:
+                print(f"tierserve serve: could not build the default model: {e}",
+                      file=sys.stderr)
+                return 2
     if not os.path.exists(model):
         print(f"tierserve serve: no model at {model}; run `tierserve prepare-model` or pass "
               "--model PATH", file=sys.stderr)
