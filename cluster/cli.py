@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("scheduler.verify.cli", "model-check the scheduling kernel's invariants"),
     "bench-scheduler": ("scheduler.bench", "measure per-step and per-placement decision latency"),
     "bench-engine": ("engine.bench", "measure engine equivalence, throughput, prefill and memory"),
+    "calibrate": ("engine.calibrate", "fit the simulator's cpu-smollm2 cost model to this machine"),
     "bench-transfer": ("kvtransfer.bench", "measure KV block transfer bandwidth and latency"),
     "bench": ("cluster.bench_http", "replay a trace through a running endpoint over HTTP"),
     "why": ("cluster.why_cli", "explain why a request was late"),

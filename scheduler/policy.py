@@ -166,7 +166,9 @@ class TierservePolicy(SchedulingPolicy):
         tightest = min(ttfts) if ttfts else min(t.deadline_s for t in ctx.tiers.tiers)
         tokens = self.tiers.anti_thrash_s / max(ctx.est.decode_token_s(), 1e-6)
         self._growth_blocks = int(tokens // ctx.block_size) + 1
-        self._slo_step_s = self.STEP_FRACTION_OF_TTFT * tightest
+        # At least one 256-token chunk: on slow hardware (a CPU) one step's fixed cost
+        # alone can exceed the fraction of the TTFT, and a step must still make progress.
+        self._slo_step_s = max(self.STEP_FRACTION_OF_TTFT * tightest, ctx.est.prefill_s(256, 0))
         self._slo_step_tokens = self._step_tokens_within(self._slo_step_s)
 
     def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:

@@ -115,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TraceError, ClusterSpecError, UnknownPolicy) as e:
         print(f"tierserve simulate: {e}", file=sys.stderr)
         return 2
-    if profile.needs_calibration:
-        print(f"note: profile {profile.name} uses placeholder constants (to be calibrated)",
-              file=sys.stderr)
     runs = []
     print(f"{'policy':<18} {'load':>5} {'tier':>4} {'att%':>6} {'ttft50':>8} {'ttft99':>8} "
           f"{'tpot99':>7} {'done':>6} {'rej':>5} {'tok%':>6}   (times in ms)")

@@ -42,8 +42,6 @@ class Profile:
     host_bw: float
     prefill_chunk_tokens: int
     max_batch: int
-    # True for placeholder constants awaiting calibration from engine measurements.
-    needs_calibration: bool = False
 
 
 GB = 1e9
@@ -87,37 +85,40 @@ H200_LLAMA3_8B = Profile(
 )
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json): 30 layers, hidden 576,
-# 3 KV heads x head_dim 64, 1.35e8 parameters; fp32 on CPU: KV per token = 2 x
-# 30 x 3 x 64 x 4 bytes = 46,080 bytes. PLACEHOLDER constants for 2 CPU cores,
-# to be calibrated from the engine's measurements (`tierserve bench-engine`):
-# best guesses are ~1 ms per prompt token in prefill and ~15-20 ms per decode
-# step at batch 16 (0.27 GFLOP per token at ~270 GFLOP/s effective fp32: 2 cores
-# x 2 AVX-512 FMA units x 16 lanes x 2 x ~3 GHz = 384 GFLOP/s peak; weights
-# 0.54 GB plus KV read at ~80 GB/s; ~2 ms of per-step Python overhead); KV
-# budget 4,096 blocks of 16 tokens (~3 GB); loopback gloo transfers ~1 GB/s.
+# 3 KV heads x head_dim 64, 1.35e8 parameters, served in bf16 (the engine's "auto"
+# on CPUs with native bf16): KV per token = 2 x 30 x 3 x 64 x 2 bytes = 23,040 bytes,
+# weights 0.27 GB. Calibrated on the 2-core development machine (one torch thread
+# per worker, the cluster's setting) with `tierserve calibrate --json calib.json`
+# (engine/calibrate.py, 2026-11-29; thread CPU time, so other jobs do not count):
+# prefill of one request is 108 ms + flops / 400 GFLOP/s (64 to 1,024 new tokens:
+# 104 to 829 ms); a decode step is 22 ms + max(bytes read / 5.2 GB/s, compute)
+# (measured: batch 1 at 128 tokens 60 ms, batch 32 at 1,024 tokens 185 ms; the fit is
+# within 25 % at every point). The fixed costs are the Python of a step over 30 layers. Pools, chunk and batch are the cluster's defaults
+# (cluster/config.py: 512 blocks of 16 tokens, 256-token chunks, 32 sequences).
+# Links: gloo over loopback moves 1 to 3 GB/s with ~1 ms fixed per transfer
+# (`tierserve bench-transfer`); swaps are host memcpys (~5 GB/s).
 CPU_SMOLLM2 = Profile(
     name="cpu-smollm2",
     num_params=1.35e8,
     num_layers=30,
     hidden=576,
-    kv_bytes_per_token=46_080,
-    weight_bytes=0.54 * GB,
-    peak_flops=540e9,
-    mfu=0.5,
-    hbm_bw=80 * GB,
+    kv_bytes_per_token=23_040,
+    weight_bytes=0.27 * GB,
+    peak_flops=400e9,
+    mfu=1.0,
+    hbm_bw=5.2 * GB,
     bw_eff=1.0,
-    prefill_overhead_s=0.02,
-    decode_overhead_s=0.002,
-    kv_blocks_per_worker=4096,
+    prefill_overhead_s=0.108,
+    decode_overhead_s=0.022,
+    kv_blocks_per_worker=512,
     block_size=16,
-    link_bw={TopologyClass.SAME_DEVICE: 10 * GB, TopologyClass.SAME_DOMAIN: 1 * GB,
-             TopologyClass.SAME_NODE: 1 * GB, TopologyClass.CROSS_NODE: 0.1 * GB},
-    link_latency={TopologyClass.SAME_DEVICE: 1e-5, TopologyClass.SAME_DOMAIN: 2e-4,
-                  TopologyClass.SAME_NODE: 2e-4, TopologyClass.CROSS_NODE: 1e-3},
-    host_bw=10 * GB,
-    prefill_chunk_tokens=512,
+    link_bw={TopologyClass.SAME_DEVICE: 5 * GB, TopologyClass.SAME_DOMAIN: 1.5 * GB,
+             TopologyClass.SAME_NODE: 1.5 * GB, TopologyClass.CROSS_NODE: 0.1 * GB},
+    link_latency={TopologyClass.SAME_DEVICE: 1e-5, TopologyClass.SAME_DOMAIN: 1e-3,
+                  TopologyClass.SAME_NODE: 1e-3, TopologyClass.CROSS_NODE: 2e-3},
+    host_bw=5 * GB,
+    prefill_chunk_tokens=256,
     max_batch=32,
-    needs_calibration=True,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (H200_LLAMA3_8B, CPU_SMOLLM2)}

@@ -246,7 +246,8 @@ class Simulator:
             else max(step_s - cost.profile.prefill_overhead_s, 0.0) * cost.flops_rate]
 
         def accept(req: Request) -> Verdict:
-            if budget[0] <= 0 or (flops_left[0] is not None and flops_left[0] <= 0):
+            # A step always takes its first chunk, whatever the time budget says.
+            if budget[0] <= 0 or (flops_left[0] is not None and flops_left[0] <= 0 and batch):
                 return Verdict.STOP
             job = self.jobs[req.req_id]
             if not job.started:

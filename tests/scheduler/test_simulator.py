@@ -73,3 +73,17 @@ def test_unknown_policy_lists_the_valid_ones() -> None:
     with pytest.raises(UnknownPolicy) as e:
         Simulator(TRACE, "sjf", CLUSTER, COST, TIERS)
     assert all(n in str(e.value) for n in POLICY_NAMES)
+
+
+def test_cpu_profile_makes_progress_when_a_step_costs_more_than_its_budget() -> None:
+    """On the calibrated CPU profile one prefill step's fixed cost (108 ms) exceeds the
+    tierserve step budget of a quarter of the 200 ms TTFT: every step still takes its
+    first chunk, and every request ends."""
+    cpu = CostModel(PROFILES["cpu-smollm2"])
+    assert cpu.profile.prefill_overhead_s > 0.05
+    cluster = parse_cluster("prefill=1,decode=1", cpu.profile.kv_blocks_per_worker)
+    trace = poisson("rate=2,duration=30,prompt=300,output=64", seed=1)
+    for name in ("tierserve", "vllm-fcfs"):
+        sim = Simulator(trace, name, cluster, cpu, TIERS).run()
+        assert all(j.req.state.is_finished for j in sim.jobs.values()), name
+        assert sum(j.req.state.value != "rejected" for j in sim.jobs.values()) > 0
