@@ -78,8 +78,17 @@ reused staging buffers in parts of about ``part_bytes``, pipelined (gather part 
 part i is on the wire; write part i while part i+1 arrives). On gloo the header travels in
 the same message as the group's first part (a frame the consumer keeps a receive posted
 for), so a small group costs one message; ``push`` issues that frame itself when the link
-is idle, with no thread hand-off. On NCCL (a posted receive would occupy the GPU) headers
-go through the store queue and the parts follow on the group.
+is idle, with no thread hand-off, and leaves its send to be reaped when the consumer's End
+arrives (no sender-thread wake-up while the frame is on the wire). On NCCL (a posted
+receive would occupy the GPU) headers go through the store queue and the parts follow on
+the group.
+
+The fixed cost of a small transfer: a transfer starts after an idle spell, and then every
+torch op pays tens of microseconds of dispatch before it touches a byte. So the hot path
+builds no torch view per transfer: staging and frame buffers (``kvtransfer.buffers.Slab``)
+are reused with their views made once, frame headers are written and read as bytes, host
+pools are copied with numpy through a byte view of the same memory (device pools with
+torch), and a direct run's (layer, K|V) views come from one ``narrow``/``unbind``.
 
 Connections: one process group per producer-consumer pair, created lazily on the first
 ``begin`` to a consumer from its own rendezvous (the consumer's TCPStore; no global world

@@ -17,9 +17,10 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.backend import DATA_TAG, FRAME_TAG, Channel, ChannelError, MessageQueue, Work
-from kvtransfer.layout import dtype_from_wire
+from kvtransfer.buffers import PoolView, Slab, SlabPool
+from kvtransfer.layout import dtype_from_wire, dtype_to_wire
 from kvtransfer.state import FailReason, Location, Side, TransferState
-from kvtransfer.transfers import StagingPool, TransferRecord, as_blocks, scatter_blocks
+from kvtransfer.transfers import TransferRecord, run_slices
 
 if TYPE_CHECKING:
     from kvtransfer.consumer import KVConsumer
@@ -41,7 +42,8 @@ class ConsumerLink:
         self._rev: MessageQueue | None = None
         self._rev_lock = owner._rev_lock
         self._closing = threading.Event()
-        self._staging: StagingPool | None = None
+        self._staging: SlabPool | None = None
+        self._pool = PoolView(owner._store, owner.layout)
         self._stream: Any = None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvx-recv-{self.pair}")
         self._fwd_key = f"kvx/{self.pair}/fwd"
@@ -101,19 +103,18 @@ class ConsumerLink:
             return
         self._topology = owner.location.topology_to(location)
         self._backend_name = self._channel.backend_name
-        self._staging = StagingPool(owner.layout.device, owner.lead_bytes)
+        self._staging = SlabPool(owner.layout, 0, owner.lead_bytes)
         if owner.layout.device.type == "cuda":
             torch.cuda.set_device(owner.layout.device)
             self._stream = torch.cuda.Stream(owner.layout.device)
         frame = None
-        if fwd is None:  # frames mode: one frame buffer, its receive posted while idle
-            frame = torch.empty(wire.FRAME_HEADER_BYTES + owner.lead_bytes, dtype=torch.uint8,
-                                device=owner.layout.device)
+        if fwd is None:  # frames mode: one frame slab, its receive posted while idle
+            frame = SlabPool(owner.layout, wire.FRAME_HEADER_BYTES, owner.lead_bytes).take(0)
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
             self._read_loop(fwd, frame)
 
-    def _read_loop(self, fwd: MessageQueue | None, frame: torch.Tensor | None) -> None:
+    def _read_loop(self, fwd: MessageQueue | None, frame: Slab | None) -> None:
         channel = self._channel
         if channel is None:
             return
@@ -125,10 +126,10 @@ class ConsumerLink:
                 else:
                     # Posted only now, after the previous frame was handled: a receive posted
                     # while we write would cost the next message's latency instead.
-                    pending = pending or channel.recv(frame, FRAME_TAG)
+                    pending = pending or channel.recv(frame.tensor, FRAME_TAG)
                     pending.wait(_IDLE_WAIT_S)
                     pending = None
-                    msg = wire.read_frame_header(frame)
+                    msg = wire.read_frame_header(frame.header)
             except ChannelError as exc:
                 self._teardown(FailReason.PEER_LOST, f"producer unreachable: {exc}")
                 return
@@ -204,8 +205,8 @@ class ConsumerLink:
             return FailReason.UNKNOWN_REQUEST, Side.CONSUMER, "no open reservation for this request id"
         if msg.layers != [0, layout.num_layers]:
             return FailReason.MISMATCH, Side.PRODUCER, f"layer range {msg.layers}, expected [0, {layout.num_layers}]"
-        if msg.dtype != layout.to_wire()["dtype"]:
-            return FailReason.MISMATCH, Side.PRODUCER, f"dtype {msg.dtype}, reserved {layout.to_wire()['dtype']}"
+        if msg.dtype != dtype_to_wire(layout.dtype):
+            return FailReason.MISMATCH, Side.PRODUCER, f"dtype {msg.dtype}, reserved {dtype_to_wire(layout.dtype)}"
         if msg.block_shape != list(layout.block_shape):
             return FailReason.MISMATCH, Side.PRODUCER, f"block shape {msg.block_shape}, reserved {list(layout.block_shape)}"
         n = len(msg.dst)
@@ -243,7 +244,7 @@ class ConsumerLink:
             raise wire.ProtocolError(f"declared payload of {msg.nbytes} bytes is inconsistent or too large")
         return sizes
 
-    def _on_blocks(self, msg: wire.Blocks, frame: torch.Tensor | None) -> None:
+    def _on_blocks(self, msg: wire.Blocks, frame: Slab | None) -> None:
         """Receive a group's parts (part 0 is already in ``frame`` in frames mode), validate
         before writing, write each part into its slots as it completes."""
         owner, cfg = self._owner, self._owner.config
@@ -252,9 +253,8 @@ class ConsumerLink:
             raise wire.ProtocolError("a blocks message without parts")
         if frame is not None and msg.direct[0]:
             frame = None  # a header-only frame: part 0 goes direct
-        if frame is not None and sizes[0] > frame.numel() - wire.FRAME_HEADER_BYTES:
+        if frame is not None and sizes[0] > frame.capacity:
             raise wire.ProtocolError("part 0 does not fit the frame")
-        in_frame = frame is not None
         record = owner.table.get(msg.req)
         skip = record is not None and record.link is self and record.state.is_terminal
         refusal = None if skip else self._validate(msg, record)
@@ -266,11 +266,10 @@ class ConsumerLink:
             raise wire.ProtocolError("blocks before the pair was set up")
         wire_dtype = dtype_from_wire(msg.dtype)
         offsets = msg.part_offsets
-        # (part index, work or None when already here, buffer, byte offset in it, pooled)
-        in_flight: deque[tuple[int, Work | None, torch.Tensor, int, bool]] = deque()
+        in_flight: deque[_Item] = deque()
         if frame is not None:
-            in_flight.append((0, None, frame, wire.FRAME_HEADER_BYTES, False))
-        for i in range(1 if in_frame else 0, len(sizes)):
+            in_flight.append((0, None, frame, None))
+        for i in range(1 if frame is not None else 0, len(sizes)):
             if msg.direct[i]:
                 while in_flight:
                     write = self._complete(msg, in_flight.popleft(), offsets, record, write)
@@ -278,9 +277,9 @@ class ConsumerLink:
                 continue
             if len(in_flight) >= cfg.max_in_flight_parts:
                 write = self._complete(msg, in_flight.popleft(), offsets, record, write)
-            buf = staging.take(sizes[i])
-            work = channel.recv(buf[: sizes[i]].view(wire_dtype), DATA_TAG)
-            in_flight.append((i, work, buf, 0, True))
+            slab = staging.take(sizes[i])
+            work = channel.recv(slab.message(sizes[i], wire_dtype), DATA_TAG)
+            in_flight.append((i, work, slab, staging))
         while in_flight:
             write = self._complete(msg, in_flight.popleft(), offsets, record, write)
         if write and record is not None:
@@ -303,10 +302,8 @@ class ConsumerLink:
         if write and record is not None:
             with record.io_lock:
                 if not record.state.is_terminal:
-                    kv = self._owner._store.kv_tensor()
-                    first = msg.dst[lo]
-                    works = [channel.recv(kv[layer, kv_index, first:first + n], DATA_TAG)
-                             for layer in range(layers) for kv_index in (0, 1)]
+                    pieces = run_slices(self._owner._store.kv_tensor(), msg.dst[lo], n)
+                    works = [channel.recv(piece, DATA_TAG) for piece in pieces]
                     for work in works:
                         work.wait(timeout)
                     if self._stream is not None:
@@ -317,7 +314,7 @@ class ConsumerLink:
                     return True
         scratch = staging.take(per_slice)  # drain: every slice into the same scratch bytes
         try:
-            works = [channel.recv(scratch[:per_slice].view(wire_dtype), DATA_TAG)
+            works = [channel.recv(scratch.message(per_slice, wire_dtype), DATA_TAG)
                      for _ in range(2 * layers)]
             for work in works:
                 work.wait(timeout)
@@ -325,28 +322,25 @@ class ConsumerLink:
             staging.give(scratch)
         return False
 
-    def _complete(self, msg: wire.Blocks, item: tuple[int, Work | None, torch.Tensor, int, bool],
-                  offsets: list[int], record: TransferRecord | None, write: bool) -> bool:
+    def _complete(self, msg: wire.Blocks, item: _Item, offsets: list[int],
+                  record: TransferRecord | None, write: bool) -> bool:
         """Wait for one part and write it into the slots; returns whether to keep writing."""
-        i, work, buf, at, pooled = item
+        i, work, slab, pool = item
         try:
             if work is not None:
                 work.wait(self._owner.config.stall_timeout_s)
             if not write or record is None:
                 return False
             n, lo = msg.parts[i], offsets[i]
-            layout = self._owner.layout
-            nbytes = n * layout.bytes_per_block
-            payload = buf[at:at + nbytes]
-            if msg.crc is not None and _crc(payload) != msg.crc[i]:
+            nbytes = n * self._owner.layout.bytes_per_block
+            if msg.crc is not None and _crc(slab.payload(nbytes)) != msg.crc[i]:
                 self._refuse(msg.req, FailReason.CHECKSUM, Side.PRODUCER, f"part {i} checksum mismatch")
                 return False
-            data = as_blocks(payload, nbytes, layout.dtype, layout.group_shape(n))
             with record.io_lock:
                 if record.state.is_terminal:
                     return False
                 try:
-                    scatter_blocks(self._owner._store.kv_tensor(), msg.dst[lo:lo + n], data)
+                    self._pool.scatter(msg.dst[lo:lo + n], slab)
                     if self._stream is not None:
                         self._stream.synchronize()
                 except Exception as exc:  # the pool refused the write: this transfer fails
@@ -357,8 +351,8 @@ class ConsumerLink:
                     record.mark_progress(n, nbytes)
             return True
         finally:
-            if pooled and self._staging is not None:
-                self._staging.give(buf)
+            if pool is not None:
+                pool.give(slab)
 
     def _teardown(self, reason: FailReason, detail: str, notify: bool = False) -> None:
         """The pair is gone: fail its live transfers, close the group, forget the link."""
@@ -374,6 +368,11 @@ class ConsumerLink:
         if self._channel is not None:
             self._channel.close()
         owner._drop_link(self)
+
+
+# (part index, work or None when already here, slab, the pool to give the slab back to, or
+# None: the frame, which the read loop keeps)
+_Item = tuple[int, Work | None, Slab, SlabPool | None]
 
 
 def _crc(buf: torch.Tensor) -> int:

@@ -19,9 +19,10 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.backend import DATA_TAG, FRAME_TAG, Channel, ChannelError, MessageQueue, Work
+from kvtransfer.buffers import PoolView, Slab, SlabPool
 from kvtransfer.layout import dtype_to_wire
 from kvtransfer.state import FailReason, Side, TransferState
-from kvtransfer.transfers import StagingPool, TransferRecord, as_blocks, gather_blocks
+from kvtransfer.transfers import TransferRecord, run_slices
 
 if TYPE_CHECKING:
     from kvtransfer.producer import KVProducer
@@ -35,7 +36,8 @@ class ProducerLink:
     through our store queue (NCCL). Sends are issued under ``_issue_lock`` in submission
     order; ``push`` issues a group's first frame itself when nothing is queued before it
     (no thread hand-off on the latency path), the sender thread does everything else and
-    waits for completions.
+    waits for completions, those of inline frames once the consumer's End arrives or its
+    next job comes (nothing wakes it while a frame is on the wire).
     """
 
     def __init__(self, owner: KVProducer, consumer: dict[str, Any]) -> None:
@@ -51,8 +53,8 @@ class ProducerLink:
         self._frames = False
         self._fwd: MessageQueue | None = None
         self._channel: Channel | None = None
-        # (work, buffer, pool, record or None, blocks, bytes)
-        self._in_flight: deque[tuple[Work, torch.Tensor, StagingPool, Any, int, int]] = deque()
+        # (work, slab or None, its pool, record or None, blocks, bytes)
+        self._in_flight: deque[tuple[Work, Slab | None, SlabPool | None, Any, int, int]] = deque()
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"kvx-send-{self.pair}")
         self._acker: threading.Thread | None = None
@@ -63,8 +65,9 @@ class ProducerLink:
         lead = int(consumer.get("lead_bytes", cfg.part_bytes))
         self._per_part = max(1, min(cfg.part_bytes, lead) // layout.bytes_per_block)
         part_cap = self._per_part * layout.bytes_per_block
-        self._staging = StagingPool(layout.device, part_cap)
-        self._frame_pool = StagingPool(layout.device, wire.FRAME_HEADER_BYTES + part_cap)
+        self._staging = SlabPool(layout, 0, part_cap)
+        self._frame_pool = SlabPool(layout, wire.FRAME_HEADER_BYTES, part_cap)
+        self._pool = PoolView(owner._store, layout)
         self._stream: Any = None
 
     def start(self) -> None:
@@ -109,8 +112,8 @@ class ProducerLink:
             if rest:
                 self._queued += 1
                 self._jobs.put(("parts", record, rest))
-            else:
-                self._jobs.put(("reap",))
+            # else the sender thread reaps the frame's send later (the consumer's End asks
+            # for it, any job does it first): no wake-up while the frame is on the wire
             return True
         finally:
             self._issue_lock.release()
@@ -169,34 +172,41 @@ class ProducerLink:
         header = self._header(record, keep, parts, None)
         blocks, direct = parts[0]
         nbytes = 0 if direct else len(blocks) * self._owner.layout.bytes_per_block
-        frame = self._frame_pool.take(wire.FRAME_HEADER_BYTES + nbytes)
-        wire.write_frame_header(header, frame)
+        frame = self._frame_pool.take(nbytes)
+        wire.write_frame_header(header, frame.header)
         if not direct:
-            self._stage_into(frame, wire.FRAME_HEADER_BYTES, blocks, record)
-        self._issue(frame[: wire.FRAME_HEADER_BYTES + nbytes], wire_tag(True), frame,
-                    self._frame_pool, record, 0 if direct else len(blocks), nbytes)
+            self._stage_into(frame, blocks, record)
+        self._issue(frame.message(nbytes), FRAME_TAG, frame, self._frame_pool, record,
+                    0 if direct else len(blocks), nbytes)
         self._mark_started(record)
         return parts if direct else parts[1:]
 
-    def _issue(self, tensor: torch.Tensor, tag: int, buf: torch.Tensor | None,
-               pool: StagingPool | None, record: TransferRecord | None, n: int,
+    def _issue(self, tensor: torch.Tensor, tag: int, slab: Slab | None,
+               pool: SlabPool | None, record: TransferRecord | None, n: int,
                nbytes: int) -> None:
         if self._channel is None:
             raise ChannelError("send before the pair was set up")
         work = self._channel.send(tensor, tag)
-        self._in_flight.append((work, buf, pool, record, n, nbytes))
+        self._in_flight.append((work, slab, pool, record, n, nbytes))
 
-    def _stage_into(self, buf: torch.Tensor, offset: int, part: list[tuple[int, int]],
-                    record: TransferRecord) -> bool:
-        """Gather the part's source blocks into ``buf[offset:]``; False if the transfer ended
-        (the bytes are then left as they are: the consumer drops them)."""
+    def _issue_staged(self, record: TransferRecord, blocks: list[tuple[int, int]]) -> None:
+        """A staged part after the header's: a DATA_TAG message the consumer posts a receive
+        for once it has read the header."""
         layout = self._owner.layout
-        nbytes = len(part) * layout.bytes_per_block
-        out = as_blocks(buf[offset:], nbytes, layout.dtype, layout.group_shape(len(part)))
+        nbytes = len(blocks) * layout.bytes_per_block
+        slab = self._staging.take(nbytes)
+        self._stage_into(slab, blocks, record)
+        self._issue(slab.message(nbytes, layout.dtype), DATA_TAG, slab, self._staging, record,
+                    len(blocks), nbytes)
+
+    def _stage_into(self, slab: Slab, part: list[tuple[int, int]],
+                    record: TransferRecord) -> bool:
+        """Gather the part's source blocks into the slab's payload; False if the transfer
+        ended (the bytes are then left as they are: the consumer drops them)."""
         with record.io_lock:  # a terminal record's blocks may already be released
             if record.state.is_terminal:
                 return False
-            gather_blocks(self._owner._store.kv_tensor(), [s for _, s in part], out)
+            self._pool.gather([s for _, s in part], slab)
         return True
 
     def _mark_started(self, record: TransferRecord) -> None:
@@ -283,13 +293,13 @@ class ProducerLink:
         with self._issue_lock:
             if not self._in_flight:
                 return
-            work, buf, pool, record, n, nbytes = self._in_flight.popleft()
+            work, slab, pool, record, n, nbytes = self._in_flight.popleft()
         try:
             work.wait(self._owner.config.stall_timeout_s)
         finally:
-            if pool is not None and buf is not None:
+            if pool is not None and slab is not None:
                 with self._issue_lock:
-                    pool.give(buf)
+                    pool.give(slab)
         if record is not None and n:
             with self._owner.table.lock:
                 if not record.state.is_terminal:
@@ -302,10 +312,9 @@ class ProducerLink:
             return
         self._make_room()
         with self._issue_lock:
-            frame = self._frame_pool.take(wire.FRAME_HEADER_BYTES)
-            wire.write_frame_header(msg, frame)
-            self._issue(frame[: wire.FRAME_HEADER_BYTES], wire_tag(True), frame,
-                        self._frame_pool, None, 0, 0)
+            frame = self._frame_pool.take(0)
+            wire.write_frame_header(msg, frame.header)
+            self._issue(frame.message(0), FRAME_TAG, frame, self._frame_pool, None, 0, 0)
 
     def _send_group(self, record: TransferRecord, keep: list[tuple[int, int]], event: Any) -> None:
         if record.state.is_terminal:
@@ -335,37 +344,33 @@ class ProducerLink:
         with self._issue_lock:
             for i, (blocks, _) in enumerate(parts):
                 nbytes = len(blocks) * layout.bytes_per_block
-                offset = wire.FRAME_HEADER_BYTES if (i == 0 and self._frames) else 0
-                pool = self._frame_pool if offset else self._staging
-                buf = pool.take(offset + nbytes)
-                self._stage_into(buf, offset, blocks, record)
-                crc = zlib.crc32(buf[offset:offset + nbytes].cpu().numpy().tobytes())
-                staged.append((buf, pool, offset, nbytes, crc, len(blocks)))
-            header = self._header(record, keep, parts, [s[4] for s in staged])
+                pool = self._frame_pool if (i == 0 and self._frames) else self._staging
+                slab = pool.take(nbytes)
+                self._stage_into(slab, blocks, record)
+                crc = zlib.crc32(slab.payload(nbytes).cpu().numpy().tobytes())
+                staged.append((slab, pool, nbytes, crc, len(blocks)))
+            header = self._header(record, keep, parts, [s[3] for s in staged])
             if self._frames:
-                wire.write_frame_header(header, staged[0][0])
+                wire.write_frame_header(header, staged[0][0].header)
         if not self._frames:
             self._fwd_push(header)
-        for buf, pool, offset, nbytes, _, n in staged:
+        for slab, pool, nbytes, _, n in staged:
             with self._issue_lock:
-                tensor = (buf[: offset + nbytes] if offset
-                          else buf[:nbytes].view(layout.dtype))
-                self._issue(tensor, wire_tag(bool(offset)), buf, pool, record, n, nbytes)
+                if slab.head:  # part 0 in the header's frame
+                    tensor, tag = slab.message(nbytes), FRAME_TAG
+                else:
+                    tensor, tag = slab.message(nbytes, layout.dtype), DATA_TAG
+                self._issue(tensor, tag, slab, pool, record, n, nbytes)
         self._mark_started(record)
 
     def _send_parts(self, record: TransferRecord, parts: list[_Part]) -> None:
-        layout = self._owner.layout
         for blocks, direct in parts:
             self._make_room()
             if direct:
                 self._send_direct(record, blocks)
                 continue
-            nbytes = len(blocks) * layout.bytes_per_block
             with self._issue_lock:
-                buf = self._staging.take(nbytes)
-                self._stage_into(buf, 0, blocks, record)
-                self._issue(buf[:nbytes].view(layout.dtype), wire_tag(False), buf,
-                            self._staging, record, len(blocks), nbytes)
+                self._issue_staged(record, blocks)
         self._mark_started(record)
 
     def _send_direct(self, record: TransferRecord, blocks: list[tuple[int, int]]) -> None:
@@ -374,17 +379,14 @@ class ProducerLink:
         Once announced, the run is sent even if the transfer ended meanwhile (the consumer
         drops it); the pool tensor outlives the send, so this only reads stale values."""
         layout = self._owner.layout
-        kv = self._owner._store.kv_tensor()
         first, n = blocks[0][1], len(blocks)
         per_slice = n * layout.bytes_per_block // (2 * layout.num_layers)
         with self._issue_lock:
-            for layer in range(layout.num_layers):
-                for kv_index in (0, 1):
-                    self._issue(kv[layer, kv_index, first:first + n], wire_tag(False), None,
-                                None, record, 0, 0)
+            for piece in run_slices(self._owner._store.kv_tensor(), first, n):
+                self._issue(piece, DATA_TAG, None, None, record, 0, 0)
             # progress is counted once, on the last message of the run
-            work, buf, pool, _, _, _ = self._in_flight.pop()
-            self._in_flight.append((work, buf, pool, record, n, per_slice * 2 * layout.num_layers))
+            work, slab, pool, _, _, _ = self._in_flight.pop()
+            self._in_flight.append((work, slab, pool, record, n, per_slice * 2 * layout.num_layers))
 
     def _fwd_push(self, msg: wire.Message) -> None:
         if self._fwd is not None:
@@ -411,6 +413,7 @@ class ProducerLink:
                 self._teardown(FailReason.PEER_LOST, "the consumer closed the pair", local=local)
                 return
             if isinstance(msg, wire.End):
+                self._jobs.put(("reap",))  # sends that push() issued inline
                 record = table.get(msg.req)
                 if record is not None and record.link is self:
                     if msg.state is TransferState.DONE:  # may overtake our own completions
@@ -444,7 +447,3 @@ class ProducerLink:
 
 
 _Part = tuple[list[tuple[int, int]], bool]  # ([(position, source block id)], direct)
-
-
-def wire_tag(frame: bool) -> int:
-    return FRAME_TAG if frame else DATA_TAG

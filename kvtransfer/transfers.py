@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.state import (
@@ -168,29 +169,6 @@ class TransferTable:
             ]
 
 
-class StagingPool:
-    """Reused contiguous byte buffers on the pool's device (gloo pays per allocation too)."""
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self._device, self._capacity = device, capacity
-        self._free: list[torch.Tensor] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        while self._free:
-            buf = self._free.pop()
-            if buf.numel() >= nbytes:
-                return buf
-        return torch.empty(max(nbytes, self._capacity), dtype=torch.uint8, device=self._device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-
-
-def as_blocks(buf: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """View the first ``nbytes`` of a byte buffer as a block group tensor."""
-    return buf[:nbytes].view(dtype).view(shape)
-
-
 class Watchdog:
     """One thread per endpoint that fails transfers past their timeouts."""
 
@@ -230,14 +208,40 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def gather_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+def run_slices(kv: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, ...]:
+    """The pool's blocks ``first .. first + n - 1`` as one view per (layer, K|V), in pool
+    order: what a direct part sends and receives (three torch ops for all of them)."""
+    return kv.narrow(2, first, n).flatten(0, 1).unbind(0)
+
+
+def gather_blocks(kv: Any, block_ids: Sequence[int], out: Any) -> None:
     """``out[:, :, i] = kv[:, :, block_ids[i]]`` as one slice copy per run of ids (several
-    times faster than index_select/index_copy_ on CPU for the usual runs)."""
-    for off, first, n in block_runs(block_ids):
-        out[:, :, off:off + n].copy_(kv[:, :, first:first + n])
+    times faster than index_select/index_copy_ on CPU for the usual runs). ``kv`` and ``out``
+    are both torch tensors or both numpy arrays (host views, see :mod:`kvtransfer.buffers`)."""
+    runs = block_runs(block_ids)
+    if len(runs) == 1:  # the usual case: one copy, one view
+        _copy(out, _blocks(kv, runs[0][1], runs[0][2]))
+        return
+    for off, first, n in runs:
+        _copy(_blocks(out, off, n), _blocks(kv, first, n))
 
 
-def scatter_blocks(kv: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
+def scatter_blocks(kv: Any, block_ids: Sequence[int], data: Any) -> None:
     """``kv[:, :, block_ids[i]] = data[:, :, i]``, one slice copy per run of ids."""
-    for off, first, n in block_runs(block_ids):
-        kv[:, :, first:first + n].copy_(data[:, :, off:off + n])
+    runs = block_runs(block_ids)
+    if len(runs) == 1:
+        _copy(_blocks(kv, runs[0][1], runs[0][2]), data)
+        return
+    for off, first, n in runs:
+        _copy(_blocks(kv, first, n), _blocks(data, off, n))
+
+
+def _blocks(t: Any, first: int, n: int) -> Any:
+    return t[:, :, first:first + n] if isinstance(t, np.ndarray) else t.narrow(2, first, n)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)

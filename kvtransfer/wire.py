@@ -199,20 +199,26 @@ MAX_BLOCKS_PER_MESSAGE = 960  # keeps a Blocks header inside FRAME_HEADER_BYTES
 
 
 def write_frame_header(msg: Message, frame: Any) -> None:
-    """Put ``msg`` at the head of ``frame`` (a uint8 tensor of at least FRAME_HEADER_BYTES)."""
+    """Put ``msg`` at the head of ``frame``: a writable byte view (a host slab's ``header``,
+    no torch op) or a uint8 tensor of at least FRAME_HEADER_BYTES."""
     body = encode(msg)
     if len(body) + 4 > FRAME_HEADER_BYTES:
         raise ValueError(f"message of {len(body)} bytes does not fit a frame header")
     head = len(body).to_bytes(4, "little") + body
-    frame[: len(head)].copy_(_byte_tensor(head))
+    if isinstance(frame, memoryview):
+        frame[: len(head)] = head
+    else:
+        frame[: len(head)].copy_(_byte_tensor(head))
 
 
 def read_frame_header(frame: Any) -> Message:
-    raw = frame[:FRAME_HEADER_BYTES].cpu().numpy().tobytes()
-    length = int.from_bytes(raw[:4], "little")
+    """The message at the head of ``frame`` (a byte view or a uint8 tensor)."""
+    if not isinstance(frame, memoryview):
+        frame = memoryview(frame[:FRAME_HEADER_BYTES].cpu().numpy())
+    length = int.from_bytes(frame[:4], "little")
     if length > FRAME_HEADER_BYTES - 4:
         raise ProtocolError(f"frame header length {length} out of range")
-    return decode(raw[4 : 4 + length])
+    return decode(bytes(frame[4 : 4 + length]))
 
 
 def _byte_tensor(data: bytes) -> Any:
