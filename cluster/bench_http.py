@@ -154,8 +154,11 @@ async def replay(url: str, trace: str, *, duration: float, load: float, max_prom
 
     from scheduler.sim.traces import guess_format, read_trace, scale_load
 
+    # Open loop: no cap on connections. A capped pool would queue requests first come first
+    # served in this client, before the scheduler under test could see (and order) them.
     async with httpx.AsyncClient(timeout=timeout, headers={"authorization": f"Bearer {api_key}"},
-                                 limits=httpx.Limits(max_connections=512)) as client:
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=512)) as client:
         models = (await client.get(f"{url}/v1/models")).json()["data"]
         model, ctx = models[0]["id"], int(models[0].get("max_model_len", 2048))
         reqs = scale_load(read_trace(guess_format(trace), trace, seed=seed), load, duration)
