@@ -18,7 +18,8 @@ Life of a request on a decode worker (STYLE.md item 7):
    scheduling policy gives, as soon as blocks are free. The engine itself recomputes the
    newest request when a decode finds no block; both are reported as events.
 6. ABORT: router abort (client gone), a reader that leaves the stream before its end, or a
-   dead peer: blocks freed, stream closed.
+   dead peer: blocks freed (a reservation still receiving once its transfer has ended, so
+   that no block lands in memory given to another request), stream closed.
 
 Every lifecycle change is reported to the global scheduler as an event (msgpack report,
 every control interval). :class:`DecodeWorker` is a plain class; :class:`DecodeWorkerActor`
@@ -86,6 +87,8 @@ class DecodeWorker:
         # Token queues by request id; retired ones (request gone) wait for their reader.
         self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._retired: dict[str, float] = {}
+        # Reservations whose transfer is ending: their slots are freed once it has ended.
+        self._draining: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._step_s = 0.05
@@ -170,10 +173,10 @@ class DecodeWorker:
         r = self._reqs.get(req_id)
         if r is not None:
             self._retire(req_id)
-            if not r.is_joined:
-                self.consumer.abort(req_id)
-                self.consumer.forget(req_id)
-            await self._thread.call(self.engine.abort, req_id)
+            if r.is_joined:
+                await self._thread.call(self.engine.abort, req_id)
+            else:
+                await self._end_transfer(req_id)
         q = self._streams.get(req_id)
         if q is not None:
             # A reader still waiting (if any) ends on this item.
@@ -181,6 +184,30 @@ class DecodeWorker:
             if error is None:
                 self._streams.pop(req_id, None)
                 self._retired.pop(req_id, None)
+
+    async def _end_transfer(self, req_id: str) -> None:
+        """End the transfer into ``req_id``'s reserved slots and free them once nothing can
+        land there any more: at once, or (receives still posted) from the step loop when
+        the consumer reports the end (like vLLM's connectors delay freeing blocks that a
+        transfer may still write)."""
+        self.consumer.abort(req_id)
+        status = self.consumer.poll(req_id)
+        if status is not None and not status.state.is_terminal:
+            self._draining.add(req_id)
+            self._wake.set()
+            return
+        if status is not None:
+            self.consumer.forget(req_id)
+        await self._thread.call(self.engine.abort, req_id)
+
+    async def _free_drained(self) -> None:
+        for rid in list(self._draining):
+            status = self.consumer.poll(rid)
+            if status is None or status.state.is_terminal:
+                self._draining.discard(rid)
+                if status is not None:
+                    self.consumer.forget(rid)
+                await self._thread.call(self.engine.abort, rid)
 
     def _retire(self, req_id: str) -> None:
         """The request left the engine; its stream stays until read or expired."""
@@ -222,11 +249,12 @@ class DecodeWorker:
     async def _step_loop(self) -> None:
         while True:
             busy = any(r.is_joined for r in self._reqs.values())
-            waiting = any(not r.is_joined for r in self._reqs.values())
+            waiting = self._draining or any(not r.is_joined for r in self._reqs.values())
             if not busy:
                 await wait_event(self._wake, 0.01 if waiting else 0.5)
             self._wake.clear()
             try:
+                await self._free_drained()
                 await self._join_transfers()
                 await self._swap_in()
                 await self._relieve_pressure()
@@ -246,10 +274,8 @@ class DecodeWorker:
             state = None if st is None else st.state.value
             if r.first_token is not None and r.early_finish is not None:
                 # The first token was the last: no decode, the reserved slots go back.
-                self.consumer.abort(rid)
-                self.consumer.forget(rid)
-                await self._thread.call(self.engine.release, rid)
                 self._retire(rid)
+                await self._end_transfer(rid)
                 r.stream.put_nowait({"t": [r.first_token], "f": r.early_finish, "e": None})
                 continue
             if state in ("failed", "aborted"):
