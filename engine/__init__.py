@@ -63,11 +63,11 @@ Public API (stable; other packages call only these names)::
                    seed=None, stop_token_ids=(), stop=() (strings), ignore_eos=False,
                    logprobs=False) # True: log-softmax of the raw logits at each chosen token
 
-    # Store interface used by kvtransfer (structural; contracts.md):
+    # Store interface used by kvtransfer (structural; block-major: a block is kv[block_id]):
     pool.kv_layout() -> KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device,
                                  num_blocks)
-    pool.kv_tensor() -> Tensor[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    pool.read_blocks(block_ids) -> Tensor[num_layers, 2, n, block_size, H, D]  (contiguous copy)
+    pool.kv_tensor() -> Tensor[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    pool.read_blocks(block_ids) -> Tensor[n, num_layers, 2, block_size, H, D]  (contiguous copy)
     pool.write_blocks(block_ids, data) -> None
     pool.allocate(n) -> list[int] | None, pool.free(block_ids), pool.drain_events(), ...
     BlockStored(block_hashes: list[int], parent_hash: int | None), BlockRemoved(block_hashes)

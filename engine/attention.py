@@ -6,9 +6,11 @@ request), then the prefill chunks. The model's attention modules call
 :func:`paged_attention_forward` with the new tokens' Q, K, V (rotary already applied) and the
 per-forward :class:`ForwardBatch` (passed as the ``tierserve_batch`` model kwarg), which:
 
-1. writes the new K and V into the pool at ``slot_mapping`` (slot = block_id * block_size + offset);
+1. writes the new K and V into the pool, viewed as rows ``[num_blocks * L * 2 * block_size, H,
+   D]`` (block-major, see engine.block_pool): a token's row for layer ``l`` is its
+   ``token_rows`` entry (layer 0's K) plus ``l * 2 * block_size`` (K) or ``block_size`` more (V);
 2. decode rows (sorted by context length, in a few groups of similar lengths): gathers each
-   group's blocks with one ``index_select`` per layer and runs one SDPA per group (queries
+   group's blocks with one ``index_select`` per layer and K|V and runs one SDPA per group (queries
    grouped per KV head, keys masked past each request's length; the token batch itself is
    never padded);
 3. each prefill chunk: attends causally to its own tokens and to the request's cached prefix
@@ -58,8 +60,10 @@ class PrefillChunk:
 class ForwardBatch:
     """Per-forward metadata that the attention function reads (built by the model runner)."""
 
-    kv: torch.Tensor  # the pool tensor [L, 2, num_blocks, block_size, H, D]
-    slot_mapping: torch.Tensor  # [total_tokens] long
+    kv: torch.Tensor  # the pool tensor [num_blocks, L, 2, block_size, H, D]
+    # [total_tokens] long: each new token's row of layer 0's K in kv.view(-1, H, D)
+    # (block_id * L * 2 * block_size + offset in the block)
+    token_rows: torch.Tensor
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
     # Additive masks by (kind, window, index), built once per forward, shared by the layers.
@@ -124,16 +128,20 @@ def paged_attention_forward(
             f"attention {ATTN_IMPLEMENTATION!r} needs the {BATCH_KWARG}= model kwarg "
             "(run the model through engine.runner.ModelRunner)"
         )
-    layer_kv = batch.kv[module.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
+    kv = batch.kv
+    layer = module.layer_idx
+    block_size = kv.shape[3]
+    layer_k, layer_v = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, Hkv, D]
     _, num_q_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_groups = num_q_heads // num_kv_heads
 
     new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_v = value[0].transpose(0, 1)
-    flat = layer_kv.view(2, -1, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, batch.slot_mapping, new_k)
-    flat[1].index_copy_(0, batch.slot_mapping, new_v)
+    rows = kv.view(-1, num_kv_heads, head_dim)
+    k_rows = batch.token_rows + layer * 2 * block_size
+    rows.index_copy_(0, k_rows, new_k)
+    rows.index_copy_(0, k_rows + block_size, new_v)
 
     out = query.new_empty(num_tokens, num_q_heads, head_dim)
     for index, group in enumerate(batch.decode_groups):
@@ -142,12 +150,12 @@ def paged_attention_forward(
         q = query[0, :, group.start : group.end].transpose(0, 1).reshape(
             n, num_kv_heads, num_groups, head_dim
         )
-        gathered = layer_kv.index_select(1, group.block_ids)
-        gathered = gathered.view(2, n, -1, num_kv_heads, head_dim).transpose(2, 3)
+        k = layer_k.index_select(0, group.block_ids).view(n, -1, num_kv_heads, head_dim)
+        v = layer_v.index_select(0, group.block_ids).view(n, -1, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q,
-            gathered[0],
-            gathered[1],
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             attn_mask=batch.decode_mask(index, sliding_window),
             scale=scaling,
         )
@@ -158,10 +166,10 @@ def paged_attention_forward(
             k = key[:, :, chunk.start : chunk.end]
             v = value[:, :, chunk.start : chunk.end]
         else:
-            gathered = layer_kv.index_select(1, chunk.block_ids)
-            gathered = gathered.view(2, 1, -1, num_kv_heads, head_dim)[:, :, : chunk.context_len]
-            gathered = gathered.transpose(2, 3)
-            k, v = gathered[0], gathered[1]
+            ctx = chunk.context_len
+            k = layer_k.index_select(0, chunk.block_ids).view(1, -1, num_kv_heads, head_dim)
+            v = layer_v.index_select(0, chunk.block_ids).view(1, -1, num_kv_heads, head_dim)
+            k, v = k[:, :ctx].transpose(1, 2), v[:, :ctx].transpose(1, 2)
         mask = batch.chunk_mask(index, sliding_window)
         o = F.scaled_dot_product_attention(
             q,

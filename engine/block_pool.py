@@ -1,7 +1,12 @@
 """The paged KV block pool of one device (DESIGN §3, contracts.md).
 
-Layout: one preallocated tensor ``kv[num_layers, 2, num_blocks, block_size, num_kv_heads,
-head_dim]`` (dim 1: 0 = K, 1 = V) in the model dtype. A block is ``kv[:, :, block_id]``.
+Layout: one preallocated tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`` (dim 2: 0 = K, 1 = V) in the model dtype. A block is ``kv[block_id]``: every layer's
+K and V of its tokens in one contiguous region, so a run of consecutive blocks is one region
+too, and moving blocks between workers (kvtransfer) or to host memory (swap) is one copy or
+one message per run rather than one per layer (vLLM's cross-layer KV layout for connectors
+makes the same choice). Attention reads one layer's K of many blocks as a strided gather,
+which on CPU measured no slower than from a layer-major pool.
 
 Every block is in exactly one of three states:
   * owned: ``ref_count > 0`` (held by one or more requests; shared prefix blocks by several);
@@ -120,7 +125,7 @@ class BlockPool:
         )
         # zeros (not empty): every page is touched now, so resident memory stays flat later.
         self._kv = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
             dtype=dtype,
             device=device,
         )
@@ -168,21 +173,21 @@ class BlockPool:
         return self._kv
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A contiguous copy ``[num_layers, 2, n, block_size, H, D]`` of the blocks, in order."""
+        """A contiguous copy ``[n, num_layers, 2, block_size, H, D]`` of the blocks, in order."""
         index = self._index(block_ids)
-        return self._kv.index_select(2, index)
+        return self._kv.index_select(0, index)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Overwrite the blocks with ``data`` (the shape ``read_blocks`` returns)."""
         layout = self._layout
         expected = (
-            layout.num_layers, 2, len(block_ids), layout.block_size, layout.num_kv_heads,
+            len(block_ids), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
             layout.head_dim,
         )
         if tuple(data.shape) != expected:
             raise ValueError(f"write_blocks: data shape {tuple(data.shape)}, expected {expected}")
         index = self._index(block_ids)
-        self._kv.index_copy_(2, index, data.to(device=self._kv.device, dtype=self._kv.dtype))
+        self._kv.index_copy_(0, index, data.to(device=self._kv.device, dtype=self._kv.dtype))
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         n = self._layout.num_blocks

@@ -485,7 +485,7 @@ class LLMEngine:
         req = self._requests.get(req_id)
         if req is None or req.state is not ReqState.SWAPPED or req.host_kv is None:
             return False
-        new = self.pool.allocate(req.host_kv.shape[2])
+        new = self.pool.allocate(req.host_kv.shape[0])
         if new is None:
             return False
         self.pool.write_blocks(new, req.host_kv)

@@ -43,22 +43,24 @@ class ModelRunner:
         given (decodes first, then chunks).
         """
         bs = self.block_size
+        # a block's rows in the pool viewed as [num_blocks * L * 2 * bs, H, D] (block-major)
+        block_rows = self.pool.kv_layout().num_layers * 2 * bs
         device = self.device
         # Decode rows go first, sorted by context length so that groups pad little.
         order = sorted(range(len(decodes)), key=lambda i: decodes[i].start_pos)
         row_of = [0] * len(decodes)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        rows: list[int] = []  # each token's row of layer 0's K (ForwardBatch.token_rows)
         for row, i in enumerate(order):
             work = decodes[i]
             pos = work.start_pos
             row_of[i] = row
             input_ids.append(work.token_ids[0])
             positions.append(pos)
-            slots.append(work.block_ids[pos // bs] * bs + pos % bs)
+            rows.append(work.block_ids[pos // bs] * block_rows + pos % bs)
         sample_rows = [row_of[i] for i, w in enumerate(decodes) if w.sample]
-        batch = ForwardBatch(kv=self.pool.kv_tensor(), slot_mapping=torch.empty(0))
+        batch = ForwardBatch(kv=self.pool.kv_tensor(), token_rows=torch.empty(0))
         sorted_blocks = [decodes[i].start_pos // bs + 1 for i in order]
         for first, end in group_rows(sorted_blocks, GROUP_OVERHEAD_BLOCKS):
             max_blocks = sorted_blocks[end - 1]
@@ -89,7 +91,7 @@ class ModelRunner:
             pos_range = range(first, first + n)
             positions.extend(pos_range)
             table = work.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos_range)
+            rows.extend(table[p // bs] * block_rows + p % bs for p in pos_range)
             context_len = first + n
             block_ids = None
             if first > 0:
@@ -106,7 +108,7 @@ class ModelRunner:
             )
             if work.sample:
                 sample_rows.append(start + n - 1)
-        batch.slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)
+        batch.token_rows = torch.tensor(rows, dtype=torch.long).to(device)
         ids = torch.tensor(input_ids, dtype=torch.long).to(device).unsqueeze(0)
         pos_t = torch.tensor(positions, dtype=torch.long).to(device).unsqueeze(0)
         keep = torch.tensor(sample_rows, dtype=torch.long).to(device)

@@ -3,19 +3,21 @@
 The decode side (consumer) reserves blocks in its own pool and publishes a *ticket*; the
 prefill side (producer) streams blocks into exactly those slots as its prefill chunks finish.
 No Ray and no engine import here: the pool is reached through :class:`KVStore` (a Protocol the
-engine's ``BlockPool`` satisfies structurally) and the control plane only carries small
-msgpack-able dicts (the ticket).
+engine's ``BlockPool`` satisfies structurally: one contiguous block-major tensor, a block is
+``kv[block_id]``) and the control plane only carries small msgpack-able dicts (the ticket).
 
 Life of a transfer (both sides keep one record per request id)::
 
-    consumer                                   producer
-    1. expect(req, block_ids, present) ──ticket dict (via Ray)──▶ 2. begin(ticket)
-       PENDING                                     PENDING; lazily opens the pair group
-    3. ◀── msgpack header (store queue) + payload (process group) ── push(req, src_ids)
-       TRANSFERRING: validate, recv, write             TRANSFERRING: stage + send in the
-       straight into the reserved slots                background, next chunk computes
-    4. all blocks written: DONE ──"end: done"──▶ DONE (consumer acknowledged every block)
-    any time: abort() / timeout / refusal / peer loss ──"end"──▶ the other side: ABORTED|FAILED
+    consumer                                     producer
+    1. expect(req, block_ids, present) ──ticket (via Ray)──▶ 2. begin(ticket)
+       PENDING; plans the segments                  PENDING; opens the pair lazily, Open ──▶
+    3. Open checked against the reservation (count, block ids, dtype, shapes, tag, plan)
+       before any receive is posted; posted path: one receive per segment straight into
+       its slots, Ready ──▶                         4. push(req, src_ids) as chunks finish:
+                                                       every segment whose last block is
+       ◀── one message per segment, on the transfer's tag ── pushed goes at once
+    5. every segment landed: DONE ──End(DONE)──▶    DONE
+    any time: abort() / timeout / refusal / peer loss ──End──▶ the other side: ABORTED|FAILED
 
 Public API::
 
@@ -25,15 +27,15 @@ Public API::
 
     loc = Location(node_id="n0", device="cpu", nvlink_domain=None, host="127.0.0.1")
     cfg = TransferConfig(stall_timeout_s=10.0, start_timeout_s=120.0, connect_timeout_s=30.0,
-                         part_bytes=8 << 20, max_in_flight_parts=4, checksum=False,
-                         direct_min_bytes=128 << 10)
+                         part_bytes=8 << 20, max_in_flight_parts=4, checksum=False)
 
     # decode worker
     consumer = KVConsumer(pool, location=loc, config=cfg)   # backend: DistBackend() (gloo on
     ticket = consumer.expect(req_id, block_ids, present=())  # CPU, NCCL on CUDA) or MockBackend
         # block_ids: the reserved slots in prompt order; present: positions (indices into
         # block_ids) already valid there (prefix hits) -- they are never sent.
-        # ticket: a msgpack-able dict to hand to the producer through the control plane.
+        # ticket: a msgpack-able dict (slots, present, tag, segment size, our address) to hand
+        # to the producer through the control plane.
     consumer.poll(req_id) -> TransferStatus | None           # never blocks
     consumer.abort(req_id) -> bool; consumer.forget(req_id) -> TransferStatus | None
     consumer.drain_stats() -> list[TransferStats]; consumer.close()
@@ -42,8 +44,9 @@ Public API::
     producer = KVProducer(pool, location=loc, config=cfg)
     producer.begin(ticket)                                   # never blocks; bad ticket: ValueError
     producer.push(req_id, src_block_ids, first_position=None)  # blocks in prompt order, as each
-        # chunk finishes (engine StepOutput.ready_block_ids); returns at once, a background
-        # thread stages and sends them while the next chunk computes.
+        # chunk finishes (engine StepOutput.ready_block_ids); returns at once: the finished
+        # segments are sent from push itself when the pair is idle, else by its sender thread,
+        # while the next chunk computes.
     producer.poll / abort / forget / drain_stats as above; producer.disconnect(consumer_id);
     producer.close()
     consumer.address() / producer.address() -> dict; .endpoint_id; .peers() -> list[str]
@@ -58,50 +61,59 @@ Who frees which blocks:
   * consumer side: the reserved slots belong to the decode worker's engine. On DONE it hands
     them to the request (``engine.add_prefilled_request``); on FAILED or ABORTED it frees them
     (``engine.release``/``abort``). kvtransfer never frees pool blocks, and guarantees that once
-    ``poll`` reports a terminal state no further write lands in those slots (a write in
-    progress finishes before ``abort`` returns; late frames are drained and discarded).
+    ``poll`` reports a terminal state no further write lands in those slots. On the posted
+    path a transfer's receives are posted into its slots until it ends, so ``abort()`` (and a
+    timeout or the producer's End) returns at once but the state turns terminal only once
+    every receive of it is released (the producer answers the consumer's End with one empty
+    message on the tag; a producer that does not within the stall timeout loses the pair,
+    which fails every receive of it). The caller frees the slots when ``poll`` says it ended,
+    as vLLM's KV connectors delay freeing the blocks a transfer may still write.
   * producer side: the source blocks belong to the prefill request (``prefill_only`` keeps
     them). The prefill worker releases them once the producer's state is terminal; from then
-    on kvtransfer starts no new read of them (a pool-to-pool send already on the wire may
-    still read them until it completes or times out; the pool tensor outlives it and the
-    consumer discards what a terminal transfer receives).
+    on kvtransfer starts no new read of them (a send already on the wire may still read them
+    until it completes or times out; the pool tensor outlives it and the consumer, which has
+    ended the transfer or will, does not keep what lands).
   * the records themselves are dropped by ``forget`` (a terminal transfer's status stays
     pollable until then).
 
-Granularity: per block group, not per layer. A group is the set of blocks a prefill chunk
-finished (the engine finalises blocks per step, all layers at once), so messages stay large
-(gloo pays per message) and the send of chunk k overlaps the compute of chunk k+1; the tail
-after prefill ends is one chunk's group. Inside a group, a run of consecutive source blocks
-going to consecutive slots is sent pool to pool, one message per (layer, K|V) slice, when a
-slice is at least ``direct_min_bytes`` (no copy on either side); the rest is gathered into
-reused staging buffers in parts of about ``part_bytes``, pipelined (gather part i+1 while
-part i is on the wire; write part i while part i+1 arrives). On gloo the header travels in
-the same message as the group's first part (a frame the consumer keeps a receive posted
-for), so a small group costs one message; ``push`` issues that frame itself when the link
-is idle, with no thread hand-off, and leaves its send to be reaped when the consumer's End
-arrives (no sender-thread wake-up while the frame is on the wire). On NCCL (a posted
-receive would occupy the GPU) headers go through the store queue and the parts follow on
-the group.
+Granularity: per segment, not per layer. The pool is block-major, so a run of consecutive
+slots is one contiguous region; the consumer cuts the reservation into *segments* (runs of
+consecutive slots of at most ``part_bytes``, :mod:`kvtransfer.plan`) and both sides derive the
+same plan from the ticket. A segment is one message: straight from the producer's pool when
+its source blocks are consecutive too (a fresh prefill's usually are), else gathered into a
+reused staging buffer; always straight into the consumer's slots. It leaves as soon as its
+last block is pushed, so chunk k's blocks travel while chunk k+1 computes and the tail after
+the prefill is the last chunk's segments.
 
-The fixed cost of a small transfer: a transfer starts after an idle spell, and then every
-torch op pays tens of microseconds of dispatch before it touches a byte. So the hot path
-builds no torch view per transfer: staging and frame buffers (``kvtransfer.buffers.Slab``)
-are reused with their views made once, frame headers are written and read as bytes, host
-pools are copied with numpy through a byte view of the same memory (device pools with
-torch), and a direct run's (layer, K|V) views come from one ``narrow``/``unbind``.
+Two paths, by what the channel can do:
+  * posted (gloo and the mock, checksums off): the consumer posts every segment's receive when
+    it accepts the Open, and a waiter thread per transfer waits for them in order. A segment
+    then costs exactly one tensor message: no header, no copy, no rendezvous, no second
+    wake-up. Each transfer has its own tag (from the ticket), so receives of two transfers
+    never take each other's messages.
+  * announced (NCCL, where a posted receive occupies the GPU stream; or checksums on): a
+    ``Blocks`` message (with the segments' checksums) precedes each batch of segments and the
+    consumer posts their receives when it reads it, draining those of a transfer it refused.
+
+Control messages travel as frames on the pair's own group where a receive can stay posted
+(gloo, mock), else through the store queue (NCCL); acknowledgements (Ready, End, Bye) through
+the consumer's store queue. The hot path builds only the one tensor view it sends, and host
+pools are gathered with numpy.
 
 Connections: one process group per producer-consumer pair, created lazily on the first
 ``begin`` to a consumer from its own rendezvous (the consumer's TCPStore; no global world
 group, no init_process_group): ``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA.
-Headers and acknowledgements travel as msgpack through that store's queues; tensors through
-the group. A group is torn down when its peer says goodbye, dies, or stalls past the timeout.
+A group is torn down when its peer says goodbye, dies, or stalls past the timeout (gloo's
+``abort()`` leaves the pair open, so a gloo channel is closed by timing out a wait, which
+makes gloo fail every operation of the pair on both ends).
 
 Failures: ``TransferStatus.failed_side`` names the side whose action or absence ended the
 transfer: the stalled side for TIMEOUT (``stall_timeout_s`` without progress, or
 ``start_timeout_s`` before the first block), the vanished side for PEER_LOST, the producer
 for metadata the consumer refused (MISMATCH, CHECKSUM), the consumer for UNKNOWN_REQUEST and
-LOCAL_ERROR. Both sides end up terminal: refusals and timeouts are sent to the peer as an
-``End`` message; a torn-down or dead peer breaks the pair group and its queues at once.
+LOCAL_ERROR. Both sides end up terminal and agree: a producer whose consumer stops answering
+is DONE if every send completed (the blocks left its pool; the consumer, once it runs again,
+has them all) and FAILED (TIMEOUT, consumer side) with the pair torn down otherwise.
 
 Testing: ``kvtransfer.testing.PeerProcess`` runs an endpoint in a spawned process driven by
 msgpack commands; ``MockBackend(MockHub())`` runs the same endpoints in one process;

@@ -7,6 +7,12 @@
   by pushing a ``Bye`` into the queue they wait on.
 * :class:`Channel` -- a two-rank tensor pipe (rank 0 = producer, rank 1 = consumer) with
   asynchronous ``send``/``recv`` whose ``wait(timeout_s)`` raises :class:`ChannelError`.
+  Messages on one tag are matched to receives on that tag in posting order; a receive may be
+  larger than its message (``can_prepost`` channels) and a message may be empty. Dropping the
+  last reference to a receive's :class:`Work` cancels it: from then on nothing is written into
+  its tensor (gloo's unbound buffer waits for a write in progress, then discards what is
+  matched to it). A wait that times out may break the whole channel (gloo closes the pair),
+  so an idle wait is long and a short one means the pair is given up.
 * :class:`Backend` -- builds both from small address dicts.
 
 Implementations: :class:`kvtransfer.dist_backend.DistBackend` (TCPStore + ProcessGroupGloo /
@@ -20,8 +26,10 @@ from typing import Any, Protocol
 
 import torch
 
-DATA_TAG = 1  # payload parts
 FRAME_TAG = 2  # fwd messages as frames (channels with can_prepost)
+CLOSE_TAG = 3  # a receive nobody sends to: DistChannel.close times out on it
+FIRST_DATA_TAG = 16  # transfers get their own tags from here (the consumer hands them out)
+MAX_DATA_TAG = (1 << 31) - 1
 
 
 class ChannelError(Exception):
@@ -50,7 +58,8 @@ class Channel(Protocol):
     def recv(self, tensor: torch.Tensor, tag: int) -> Work: ...
 
     def close(self) -> None:
-        """Tear the pipe down; the peer's pending and later operations fail."""
+        """Tear the pipe down: every pending operation on both ends fails (their waits raise)
+        and so do later ones."""
         ...
 
 

@@ -58,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-scattered", dest="scattered", action="store_false",
                         help="skip the scattered-slot (staged) bandwidth figures")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--part-bytes", type=int, default=TransferConfig().part_bytes)
-    parser.add_argument("--direct-min-bytes", type=int, default=TransferConfig().direct_min_bytes)
+    parser.add_argument("--part-bytes", type=int, default=TransferConfig().part_bytes,
+                        help="most bytes one message carries (the consumer's segment size)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,14 +93,13 @@ def run(args: argparse.Namespace) -> int:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_consumer_main, daemon=True,
                         args=(child_conn, spec, num_blocks, stream_spec, int(raw_server.port),
-                              args.threads))
+                              args.threads, args.part_bytes))
     child.start()
     child_conn.close()
     peer = _Peer(conn)
     producer = KVProducer(TensorKVStore(layout, num_blocks, fill="random"),
                           location=Location("bench-node", args.device),
-                          config=TransferConfig(part_bytes=args.part_bytes,
-                                                direct_min_bytes=args.direct_min_bytes),
+                          config=TransferConfig(part_bytes=args.part_bytes),
                           backend=DistBackend())
     try:
         peer.wait_ready()
@@ -319,16 +318,18 @@ class _Peer:
 
 
 def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
-                   stream_spec: dict[str, Any] | None, raw_port: int, threads: int) -> None:
+                   stream_spec: dict[str, Any] | None, raw_port: int, threads: int,
+                   part_bytes: int) -> None:
     torch.set_num_threads(threads)
     layout = make_layout(spec)
     location = Location("bench-node", spec["device"])
+    config = TransferConfig(part_bytes=part_bytes)
     consumers = {"sizes": KVConsumer(TensorKVStore(layout, num_blocks), location=location,
-                                     backend=DistBackend())}
+                                     config=config, backend=DistBackend())}
     if stream_spec is not None:
         consumers["stream"] = KVConsumer(
             TensorKVStore(make_layout(stream_spec), stream_spec["num_blocks"]),
-            location=location, backend=DistBackend())
+            location=location, config=config, backend=DistBackend())
     client = dist.TCPStore("127.0.0.1", raw_port, is_master=False,
                            timeout=datetime.timedelta(seconds=60))
     conn.send_bytes(msgpack.packb({"ready": True}))

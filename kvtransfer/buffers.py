@@ -1,161 +1,141 @@
-"""Reused staging and frame buffers, and the views every transfer needs, made once.
+"""Buffers a pair reuses: pool runs as messages, staging for scattered sources, frames.
 
-A :class:`Slab` is one contiguous uint8 buffer ``[head bytes | payload]`` (``head`` is
-``wire.FRAME_HEADER_BYTES`` for a frame, 0 for a plain staging part). It caches the views a
-transfer uses: the message prefix handed to the channel, the blocks it holds, and in host
-memory a memoryview of its header bytes and a numpy view of the whole buffer.
+Segments are runs of consecutive slots on the consumer (kvtransfer.plan), so the consumer
+always receives straight into its pool. The producer sends a segment straight from its pool
+when the segment's source blocks are consecutive too (:meth:`PoolView.run`) and otherwise
+gathers them into a reused :class:`Slab` first. Frames carry the fwd control messages on
+channels that keep a receive posted.
 
-Why: a small transfer's latency is mostly fixed per-call costs, and after an idle spell
-(every transfer starts after one) a torch op costs tens of microseconds in dispatch before
-it touches a byte. So the hot path builds no torch view, writes and reads frame headers as
-bytes, and on host memory copies blocks with numpy (:class:`PoolView`): same memory, a far
-shorter call path. Device pools keep torch copies. Slabs never shrink or move, so cached
-views stay valid for the slab's life.
+Why reuse: a small transfer's latency is mostly fixed per-call costs, so the hot path
+allocates nothing and makes no view it can cache; host pools are gathered with numpy through
+a byte view of the same memory (one ``take`` call for any ids), device pools with torch.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvtransfer import wire
 from kvtransfer.layout import KVLayout
-from kvtransfer.transfers import gather_blocks, scatter_blocks
+from kvtransfer.transfers import block_runs
 
-_MAX_CACHED_VIEWS = 64  # per slab and kind; block counts per part are few in practice
+_MAX_CACHED_VIEWS = 64  # per slab; block counts per segment are few in practice
 
 
 class Slab:
-    __slots__ = ("tensor", "head", "header", "_host", "_layout", "_groups", "_messages")
+    """One contiguous staging buffer of ``capacity_blocks`` blocks on the pool's device."""
 
-    def __init__(self, tensor: torch.Tensor, head: int, layout: KVLayout) -> None:
-        self.tensor = tensor
-        self.head = head
+    __slots__ = ("tensor", "capacity_blocks", "_layout", "_host", "_messages")
+
+    def __init__(self, layout: KVLayout, capacity_blocks: int) -> None:
         self._layout = layout
-        # Where wire.write_frame_header / read_frame_header work: the head bytes as a
-        # memoryview in host memory (frames travel on gloo and mock), else the tensor itself.
-        self._host: np.ndarray | None = tensor.numpy() if tensor.device.type == "cpu" else None
-        self.header: memoryview | torch.Tensor = (
-            memoryview(self._host)[:head] if self._host is not None else tensor)
-        self._groups: dict[int, Any] = {}
-        self._messages: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.capacity_blocks = capacity_blocks
+        self.tensor = torch.empty(capacity_blocks * layout.bytes_per_block, dtype=torch.uint8,
+                                  device=layout.device)
+        self._host: np.ndarray | None = None
+        if self.tensor.device.type == "cpu":
+            self._host = self.tensor.numpy().reshape(capacity_blocks, layout.bytes_per_block)
+        self._messages: dict[int, torch.Tensor] = {}
 
-    @property
-    def capacity(self) -> int:
-        """Payload bytes this slab can hold."""
-        return self.tensor.numel() - self.head
-
-    def group(self, n: int) -> Any:
-        """The payload's first ``n`` blocks as the copies see them (:class:`PoolView`): in
-        host memory a numpy byte view ``[layers, 2, n, block_size, heads, head_dim *
-        itemsize]``, else :meth:`tensor_group`."""
-        view = self._groups.get(n)
+    def message(self, n: int) -> torch.Tensor:
+        """The first ``n`` blocks as the uint8 tensor that is sent."""
+        view = self._messages.get(n)
         if view is None:
-            if self._host is not None:
-                nbytes = n * self._layout.bytes_per_block
-                view = self._host[self.head:self.head + nbytes].reshape(
-                    _byte_shape(self._layout, n))
-            else:
-                view = self.tensor_group(n)
-            _remember(self._groups, n, view)
+            if len(self._messages) >= _MAX_CACHED_VIEWS:
+                self._messages.clear()
+            view = self._messages[n] = self.tensor[: n * self._layout.bytes_per_block]
         return view
 
-    def tensor_group(self, n: int) -> torch.Tensor:
-        """The payload's first ``n`` blocks as a tensor ``[layers, 2, n, *block_shape]``."""
-        nbytes = n * self._layout.bytes_per_block
-        return (self.tensor[self.head:self.head + nbytes].view(self._layout.dtype)
-                .view(self._layout.group_shape(n)))
-
-    def message(self, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """What travels: the head and the payload's first ``nbytes`` (``dtype`` only for a
-        slab without head, whose payload is sent as the pool's element type)."""
-        key = (nbytes, dtype)
-        view = self._messages.get(key)
-        if view is None:
-            view = self.tensor[: self.head + nbytes]
-            if dtype is not torch.uint8:
-                view = view.view(dtype)
-            _remember(self._messages, key, view)
-        return view
-
-    def payload(self, nbytes: int) -> torch.Tensor:
-        """The payload's first ``nbytes`` as uint8 (checksums)."""
-        return self.tensor[self.head:self.head + nbytes]
+    def host_blocks(self) -> np.ndarray | None:
+        """``[capacity_blocks, bytes_per_block]`` uint8 view in host memory (None on a device)."""
+        return self._host
 
 
-def _byte_shape(layout: KVLayout, n: int) -> tuple[int, ...]:
-    *lead, last = layout.group_shape(n)
-    return (*lead, last * layout.dtype.itemsize)
+class SlabPool:
+    """Free staging slabs of one size (a whole segment each)."""
 
+    def __init__(self, layout: KVLayout, capacity_blocks: int) -> None:
+        self._layout, self._capacity = layout, capacity_blocks
+        self._free: list[Slab] = []
 
-def _remember(cache: dict, key: object, view: Any) -> None:
-    if len(cache) >= _MAX_CACHED_VIEWS:
-        cache.clear()
-    cache[key] = view
+    def take(self) -> Slab:
+        return self._free.pop() if self._free else Slab(self._layout, self._capacity)
+
+    def give(self, slab: Slab) -> None:
+        self._free.append(slab)
 
 
 class PoolView:
-    """Block copies between a store's pool tensor and slabs.
+    """Runs of a store's pool tensor as messages, and gathers of scattered blocks."""
 
-    Host pools are copied through a numpy byte view of the pool (made once per pool tensor),
-    device pools (and a host pool whose elements cannot be viewed as bytes) with torch."""
-
-    def __init__(self, store: Any, layout: KVLayout) -> None:
-        self._store, self._layout = store, layout
+    def __init__(self, store: Any) -> None:
+        self._store = store
         self._kv: torch.Tensor | None = None
-        self._view: Any = None
+        self._host: np.ndarray | None = None
 
-    def _pool(self) -> Any:
+    def _pool(self) -> torch.Tensor:
         kv = self._store.kv_tensor()
         if kv is not self._kv:
-            self._kv, self._view = kv, _host_bytes(kv)
-        return self._view if self._view is not None else kv
+            self._kv, self._host = kv, _host_blocks(kv)
+        return kv
 
-    def gather(self, block_ids: Sequence[int], slab: Slab) -> None:
-        """The source blocks ``block_ids`` into the slab's payload."""
+    def run(self, first: int, n: int) -> torch.Tensor:
+        """Blocks ``first .. first + n - 1``: one contiguous region, sent or received as is."""
+        kv = self._kv if self._kv is not None else self._pool()
+        return kv.narrow(0, first, n)
+
+    def gather(self, block_ids: Sequence[int], slab: Slab) -> torch.Tensor:
+        """Copy the blocks into the slab, in order; returns the message to send."""
         kv = self._pool()
-        gather_blocks(kv, block_ids, _like(kv, slab, len(block_ids)))
+        n = len(block_ids)
+        host = slab.host_blocks()
+        if self._host is not None and host is not None:
+            np.take(self._host, block_ids, axis=0, out=host[:n])
+        else:
+            out = slab.message(n).view(kv.dtype).view(n, *kv.shape[1:])
+            for off, first, length in block_runs(block_ids):
+                out.narrow(0, off, length).copy_(kv.narrow(0, first, length))
+        return slab.message(n)
 
-    def scatter(self, block_ids: Sequence[int], slab: Slab) -> None:
-        """The blocks in the slab's payload into the pool's slots ``block_ids``."""
-        kv = self._pool()
-        scatter_blocks(kv, block_ids, _like(kv, slab, len(block_ids)))
 
-
-def _host_bytes(kv: torch.Tensor) -> np.ndarray | None:
-    if kv.device.type != "cpu" or kv.stride(-1) != 1:
+def _host_blocks(kv: torch.Tensor) -> np.ndarray | None:
+    """The host pool as ``[num_blocks, bytes_per_block]`` uint8 (None on a device)."""
+    if kv.device.type != "cpu" or not kv.is_contiguous():
         return None
     try:
-        return kv.detach().view(torch.uint8).numpy()
+        return kv.detach().view(torch.uint8).numpy().reshape(kv.shape[0], -1)
     except (RuntimeError, TypeError):
         return None
 
 
-def _like(kv: Any, slab: Slab, n: int) -> Any:
-    """The slab's blocks in the same kind as the pool view (numpy or torch)."""
-    if isinstance(kv, np.ndarray):
-        return slab.group(n)
-    return slab.tensor_group(n)
+def crc32(tensor: torch.Tensor) -> int:
+    """crc32 of a contiguous tensor's bytes (device tensors are copied to the host)."""
+    data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+    return zlib.crc32(memoryview(data))
 
 
-class SlabPool:
-    """Free slabs of one kind (frames or staging parts) on the pool's device."""
+class Frame:
+    """A host uint8 buffer of ``wire.FRAME_BYTES`` and a byte view of it (no torch op to
+    write or read a message)."""
 
-    def __init__(self, layout: KVLayout, head: int, capacity: int) -> None:
-        self._layout, self._head, self._capacity = layout, head, capacity
-        self._free: list[Slab] = []
+    __slots__ = ("tensor", "view")
 
-    def take(self, nbytes: int) -> Slab:
-        """A slab whose payload holds at least ``nbytes`` (reused when one is free)."""
-        while self._free:
-            slab = self._free.pop()
-            if slab.capacity >= nbytes:
-                return slab
-        size = self._head + max(nbytes, self._capacity)
-        tensor = torch.empty(size, dtype=torch.uint8, device=self._layout.device)
-        return Slab(tensor, self._head, self._layout)
+    def __init__(self) -> None:
+        self.tensor = torch.zeros(wire.FRAME_BYTES, dtype=torch.uint8)
+        self.view = memoryview(self.tensor.numpy())
 
-    def give(self, slab: Slab) -> None:
-        self._free.append(slab)
+
+class FramePool:
+    def __init__(self) -> None:
+        self._free: list[Frame] = []
+
+    def take(self) -> Frame:
+        return self._free.pop() if self._free else Frame()
+
+    def give(self, frame: Frame) -> None:
+        self._free.append(frame)

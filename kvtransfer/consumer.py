@@ -2,34 +2,39 @@
 
 Life of a transfer here::
 
-    1. expect(req, block_ids, present)  PENDING; the ticket goes to the producer (control plane)
+    1. expect(req, block_ids, present)  PENDING; the ticket (slots, tag, segment size) goes to
+                                        the producer through the control plane
     2. Hello on our accept queue        a producer opens a pair: its link thread joins the
-                                        pair's process group (rank 1) and reads its fwd queue
-    3. Open(req)                        binds the record to that link (unknown id: refused)
-    4. Blocks header (+ parts)          validated against the reservation before any write;
-                                        refused headers are drained and answered End(FAILED)
-    5. every part written               DONE, End(DONE) to the producer
-    any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal;
-    from then on nothing is written into the slots (the caller frees them, see __init__).
+                                        pair's process group (rank 1) and reads its fwd stream
+    3. Open(req)                        checked against the reservation (count, block ids,
+                                        dtype, shapes, tag, plan) before any receive is posted;
+                                        refused: End(FAILED). Posted path: every segment's
+                                        receive is posted straight into its slots, Ready
+    4. segments land                    in plan order (announced path: after their Blocks)
+    5. every segment landed             DONE, End(DONE) to the producer
+    any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal
+    once no receive is left posted into the slots; from then on nothing is written into
+    them (the caller frees them, see __init__). A posted transfer's abort() therefore returns
+    at once but its status turns terminal a moment later (the caller polls, as for DONE).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.backend import (
-    Backend,
-    ChannelError,
-)
+from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError
 from kvtransfer.consumer_link import ConsumerLink
 from kvtransfer.dist_backend import DistBackend
-from kvtransfer.layout import KVLayout, KVStore
+from kvtransfer.layout import KVLayout, KVStore, check_pool
+from kvtransfer.plan import plan_segments, segment_blocks_for
 from kvtransfer.state import (
     FailReason,
     Location,
@@ -63,13 +68,15 @@ class KVConsumer:
     ) -> None:
         self._store = store
         self.layout = KVLayout.of(store.kv_layout())
+        check_pool(store, self.layout)
         self.location = location or Location(socket.gethostname(), str(self.layout.device))
         self.config = config or TransferConfig()
         self._backend = backend or DistBackend()
         self.endpoint_id = f"c-{uuid.uuid4().hex[:12]}"
         self._server = self._backend.listen(self.location.host)
-        # Largest part we accept in one message (the producer sizes its parts to fit).
-        self.lead_bytes = max(self.config.part_bytes, self.layout.bytes_per_block)
+        # Blocks per segment, one message each (the ticket hands it to the producer).
+        self.segment_blocks = segment_blocks_for(self.config.part_bytes, self.layout.bytes_per_block)
+        self._tags = itertools.count()
         self._table = TransferTable(Side.CONSUMER)
         self._links: dict[str, ConsumerLink] = {}
         self._links_lock = threading.Lock()
@@ -93,7 +100,6 @@ class KVConsumer:
             "server": dict(self._server),
             "location": self.location.to_wire(),
             "layout": self.layout.to_wire(),
-            "lead_bytes": self.lead_bytes,
         }
 
     def expect(self, req_id: str, block_ids: Sequence[int], present: Sequence[int] = ()) -> dict:
@@ -108,25 +114,46 @@ class KVConsumer:
         hits = frozenset(int(p) for p in present)
         if any(not 0 <= p < len(ids) for p in hits):
             raise ValueError(f"present positions must index block_ids (0..{len(ids) - 1})")
-        record = TransferRecord(req_id, Side.CONSUMER, ids, hits, len(ids) - len(hits))
+        tag = FIRST_DATA_TAG + next(self._tags) % (MAX_DATA_TAG - FIRST_DATA_TAG + 1)
+        record = TransferRecord(req_id, Side.CONSUMER, ids, hits, len(ids) - len(hits), tag=tag,
+                                segment_blocks=self.segment_blocks,
+                                segments=plan_segments(ids, hits, self.segment_blocks))
         self._table.add(record)
         if record.num_total == 0:
             self._table.finish(record, TransferState.DONE, detail="every block was present")
-        return {"req_id": req_id, "block_ids": ids, "present": sorted(hits),
-                "consumer": self.address()}
+        return {"req_id": req_id, "block_ids": ids, "present": sorted(hits), "tag": tag,
+                "segment_blocks": self.segment_blocks, "consumer": self.address()}
 
     def poll(self, req_id: str) -> TransferStatus | None:
         return self._table.status(req_id)
 
     def abort(self, req_id: str) -> bool:
+        """End the transfer; False if it already ended. Nothing is written into its slots once
+        ``poll`` says it ended, which for a posted transfer comes a moment after this returns
+        (its receives are released first; the caller frees the slots when it sees the end)."""
         record = self._table.get(req_id)
-        if record is None or not self._table.finish(
-            record, TransferState.ABORTED, side=Side.CONSUMER, detail="aborted by the consumer"
-        ):
+        if record is None:
             return False
-        if record.link is not None:
-            record.link.send_end(wire.End(req_id, TransferState.ABORTED, side=Side.CONSUMER,
-                                          detail="aborted by the consumer"))
+        return self.end(record, TransferState.ABORTED, None, Side.CONSUMER,
+                        "aborted by the consumer")
+
+    def end(self, record: TransferRecord, state: TransferState, reason: FailReason | None,
+            side: Side | None, detail: str, *, tell_producer: bool = True) -> bool:
+        """End ``record`` now, or, while receives of it are posted, once its waiter has dropped
+        them (the End we send asks the producer to release the one waited on). False: it
+        already ended or is already ending."""
+        with record.io_lock:  # a receive being posted (ConsumerLink._post) finishes first
+            with self._table.lock:
+                if record.state.is_terminal or record.cancel is not None:
+                    return False
+                posted = record.works is not None
+                if posted:
+                    record.cancel = (state, reason, side, detail)
+                    record.cancel_since = time.monotonic()
+            if not posted and not self._table.finish(record, state, reason, side, detail):
+                return False
+        if tell_producer and record.link is not None:
+            record.link.send_end(wire.End(record.req_id, state, reason, side, detail))
         return True
 
     def forget(self, req_id: str) -> TransferStatus | None:
@@ -202,11 +229,12 @@ class KVConsumer:
                 del self._links[link.pair]
 
     def _on_overdue(self, record: TransferRecord) -> None:
+        if record.cancel is not None:  # ending, but the producer did not release it
+            if record.link is not None:
+                record.link.give_up(f"no release of {record.req_id}'s receives within the "
+                                    "stall timeout")
+            return
         started = record.state is TransferState.TRANSFERRING
         detail = ("no block arrived within the stall timeout" if started
                   else "the producer did not start within the start timeout")
-        if self._table.finish(record, TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER,
-                              detail):
-            if record.link is not None:
-                record.link.send_end(wire.End(record.req_id, TransferState.FAILED,
-                                              FailReason.TIMEOUT, Side.PRODUCER, detail))
+        self.end(record, TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER, detail)

@@ -1,37 +1,53 @@
-"""One producer-consumer pair, consumer side: the reader thread that validates and writes.
+"""One producer-consumer pair, consumer side: the reader thread and the segment waiters.
 
 Owned by :class:`kvtransfer.consumer.KVConsumer` (one link per producer pair); see that
-module for the transfer's life.
+module for the transfer's life. Every segment (kvtransfer.plan) is received with one receive
+straight into its reserved slots, on the transfer's own tag:
+
+* posted path: when the Open passes every check against the reservation, the reader posts
+  the receive of every segment at once and answers Ready; a waiter thread of the transfer
+  then waits for them in order, so a segment costs the producer's one message and nothing
+  else (no header, no copy, no second wake-up).
+* announced path: a Blocks message says which segments follow; the reader posts their
+  receives then, waits, checks the checksums, and drains the segments of a transfer it does
+  not (or no longer) serve into scratch memory.
+
+Cancelling a posted transfer (abort, timeout, the producer's End, a lost pair): its receives
+stay posted until the waiter drops them, so the record is terminal only after that. The
+consumer tells the producer (End), which answers with one empty message on the tag when it
+still owes a segment: that wakes the waiter. A producer that does not answer within the stall
+timeout loses the pair: closing the channel fails every posted receive at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import zlib
-from collections import deque
+import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtransfer import wire
-from kvtransfer.backend import DATA_TAG, FRAME_TAG, Channel, ChannelError, MessageQueue, Work
-from kvtransfer.buffers import PoolView, Slab, SlabPool
-from kvtransfer.layout import dtype_from_wire, dtype_to_wire
+from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
+from kvtransfer.buffers import Frame, PoolView, crc32
+from kvtransfer.layout import dtype_to_wire
+from kvtransfer.plan import ticket_digest
 from kvtransfer.state import FailReason, Location, Side, TransferState
-from kvtransfer.transfers import TransferRecord, run_slices
+from kvtransfer.transfers import TransferRecord
 
 if TYPE_CHECKING:
     from kvtransfer.consumer import KVConsumer
 
 log = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 7 * 24 * 3600.0  # a posted frame receive waits this long for the next message
+_IDLE_WAIT_S = 7 * 24 * 3600.0  # a posted receive waits this long (a timeout closes the pair)
+_WAITER_GRACE_S = 2.0  # after closing a pair, how long its waiters get to wake
 
 
 class ConsumerLink:
-    """One producer's pair: its process group (rank 1), its fwd queue reader, our rev queue."""
+    """One producer's pair: its process group (rank 1), its fwd reader, our rev queue."""
 
     def __init__(self, owner: KVConsumer, hello: wire.Hello) -> None:
         self._owner = owner
@@ -42,9 +58,11 @@ class ConsumerLink:
         self._rev: MessageQueue | None = None
         self._rev_lock = owner._rev_lock
         self._closing = threading.Event()
-        self._staging: SlabPool | None = None
-        self._pool = PoolView(owner._store, owner.layout)
+        self._pool = PoolView(owner._store)
+        self._scratch: torch.Tensor | None = None  # announced path: drained segments land here
         self._stream: Any = None
+        self._topology = None
+        self._backend_name = ""
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvx-recv-{self.pair}")
         self._fwd_key = f"kvx/{self.pair}/fwd"
         self._rev_key = f"kvx/{self.pair}/rev"
@@ -57,8 +75,13 @@ class ConsumerLink:
 
     def abandon(self) -> None:
         """After a join timed out (the producer never answered Bye): drop the group anyway."""
-        if self._thread.is_alive() and self._channel is not None:
+        if self._channel is not None:
             self._channel.close()
+
+    def give_up(self, detail: str) -> None:
+        """The producer did not release a cancelled transfer's receives: close the pair."""
+        log.warning("kvtransfer consumer: closing pair %s: %s", self.pair, detail)
+        self._teardown(FailReason.TIMEOUT, detail)
 
     # -- messages to the producer ---------------------------------------------------------------
 
@@ -103,18 +126,14 @@ class ConsumerLink:
             return
         self._topology = owner.location.topology_to(location)
         self._backend_name = self._channel.backend_name
-        self._staging = SlabPool(owner.layout, 0, owner.lead_bytes)
         if owner.layout.device.type == "cuda":
             torch.cuda.set_device(owner.layout.device)
             self._stream = torch.cuda.Stream(owner.layout.device)
-        frame = None
-        if fwd is None:  # frames mode: one frame slab, its receive posted while idle
-            frame = SlabPool(owner.layout, wire.FRAME_HEADER_BYTES, owner.lead_bytes).take(0)
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
-            self._read_loop(fwd, frame)
+            self._read_loop(fwd, Frame() if fwd is None else None)
 
-    def _read_loop(self, fwd: MessageQueue | None, frame: Slab | None) -> None:
+    def _read_loop(self, fwd: MessageQueue | None, frame: Frame | None) -> None:
         channel = self._channel
         if channel is None:
             return
@@ -124,12 +143,10 @@ class ConsumerLink:
                 if frame is None:
                     msg = wire.decode(fwd.pop(self._fwd_key)) if fwd is not None else wire.Bye()
                 else:
-                    # Posted only now, after the previous frame was handled: a receive posted
-                    # while we write would cost the next message's latency instead.
                     pending = pending or channel.recv(frame.tensor, FRAME_TAG)
                     pending.wait(_IDLE_WAIT_S)
                     pending = None
-                    msg = wire.read_frame_header(frame.header)
+                    msg = wire.read_frame(frame.view)
             except ChannelError as exc:
                 self._teardown(FailReason.PEER_LOST, f"producer unreachable: {exc}")
                 return
@@ -143,12 +160,12 @@ class ConsumerLink:
                         self._push_rev(wire.Bye())
                     self._teardown(FailReason.PEER_LOST, "the producer closed the pair")
                     return
-                if self._closing.is_set() and not isinstance(msg, wire.Blocks):
+                if isinstance(msg, wire.Blocks):
+                    self._on_blocks(msg)
+                elif self._closing.is_set():
                     continue
-                if isinstance(msg, wire.Open):
+                elif isinstance(msg, wire.Open):
                     self._on_open(msg)
-                elif isinstance(msg, wire.Blocks):
-                    self._on_blocks(msg, frame)
                 elif isinstance(msg, wire.End):
                     self._on_end(msg)
                 else:
@@ -162,11 +179,11 @@ class ConsumerLink:
                 return
 
     def _refuse(self, req: str, reason: FailReason, side: Side, detail: str) -> None:
-        table = self._owner.table
-        record = table.get(req)
+        record = self._owner.table.get(req)
         if record is not None and record.link is self:
-            table.finish(record, TransferState.FAILED, reason, side, detail)
-        self._push_rev(wire.End(req, TransferState.FAILED, reason, side, detail))
+            self._owner.end(record, TransferState.FAILED, reason, side, detail)
+        else:
+            self._push_rev(wire.End(req, TransferState.FAILED, reason, side, detail))
 
     def _on_open(self, msg: wire.Open) -> None:
         table = self._owner.table
@@ -176,204 +193,200 @@ class ConsumerLink:
                                     Side.CONSUMER, "no reservation for this request id"))
             return
         with table.lock:
-            if record.state.is_terminal:
-                self._push_rev(wire.End(msg.req, record.state, record.reason, record.failed_side,
-                                        record.detail))
-                return
-            if record.link is not None:
-                bound_elsewhere = True
-            else:
-                bound_elsewhere = False
-                record.link = self
-                record.topology = self._topology
-                record.backend = self._backend_name
+            terminal = record.state.is_terminal
+            bound_elsewhere = record.link is not None and record.link is not self
+            if not terminal and not bound_elsewhere:
+                record.link, record.topology = self, self._topology
+                record.backend, record.posted = self._backend_name, msg.posted
+        if terminal:
+            self._push_rev(wire.End(msg.req, record.state, record.reason, record.failed_side,
+                                    record.detail))
+            return
         if bound_elsewhere:
             self._push_rev(wire.End(msg.req, TransferState.FAILED, FailReason.UNKNOWN_REQUEST,
                                     Side.CONSUMER, "request already served by another producer"))
-        elif msg.num_blocks != record.num_total:
-            self._refuse(msg.req, FailReason.MISMATCH, Side.PRODUCER,
-                         f"producer will send {msg.num_blocks} blocks, {record.num_total} reserved")
+            return
+        refusal = self._check_open(msg, record)
+        if refusal is not None:
+            self._refuse(msg.req, FailReason.MISMATCH, Side.PRODUCER, refusal)
+            return
+        if msg.posted:
+            self._post(record)
+
+    def _check_open(self, msg: wire.Open, record: TransferRecord) -> str | None:
+        """Why the Open does not match the reservation (None: it does)."""
+        layout = self._owner.layout
+        if msg.num_blocks != record.num_total:
+            return f"producer will send {msg.num_blocks} blocks, {record.num_total} reserved"
+        if msg.digest != ticket_digest(record.block_ids, record.present):
+            return "the block ids the producer holds are not the reservation's"
+        if msg.layers != [0, layout.num_layers]:
+            return f"layer range {msg.layers}, expected [0, {layout.num_layers}]"
+        if msg.dtype != dtype_to_wire(layout.dtype):
+            return f"dtype {msg.dtype}, reserved {dtype_to_wire(layout.dtype)}"
+        if msg.block_shape != list(layout.block_shape):
+            return f"block shape {msg.block_shape}, reserved {list(layout.block_shape)}"
+        if (msg.tag, msg.segment_blocks, msg.num_segments) != (
+                record.tag, record.segment_blocks, len(record.segments)):
+            return "tag or segment plan differs from the ticket's"
+        if msg.posted and (self._channel is None or not self._channel.can_prepost):
+            return "the posted path needs a channel that keeps receives posted"
+        return None
+
+    def _post(self, record: TransferRecord) -> None:
+        """Posted path: a receive per segment into its slots, a waiter for them, Ready."""
+        channel, table = self._channel, self._owner.table
+        if channel is None:
+            raise wire.ProtocolError("open before the pair was set up")
+        with record.io_lock:
+            with table.lock:
+                if record.state.is_terminal:
+                    return
+            works = [channel.recv(self._pool.run(seg.first_slot, seg.num_blocks), record.tag)
+                     for seg in record.segments]
+            waiter = threading.Thread(target=self._wait_segments, args=(record,), daemon=True,
+                                      name=f"kvx-wait-{record.req_id}")
+            with table.lock:
+                record.works, record.waiter = works, waiter
+            del works
+            waiter.start()
+        self._push_rev(wire.Ready(record.req_id))
+
+    def _wait_segments(self, record: TransferRecord) -> None:
+        """A posted transfer's waiter: each segment's receive in plan order, then the end."""
+        owner = self._owner
+        table, per_block = owner.table, owner.layout.bytes_per_block
+        works = record.works
+        if works is None:
+            return
+        error: ChannelError | None = None
+        last = len(record.segments) - 1
+        for seg in record.segments:
+            try:
+                works[seg.index].wait(_IDLE_WAIT_S)
+            except ChannelError as exc:
+                error = exc
+                break
+            if seg.index == last and table.finish(record, TransferState.DONE, unless_ending=True,
+                                                  num_bytes=record.num_total * per_block):
+                # every receive has completed, none is left posted: DONE before the cleanup
+                works.clear()
+                with table.lock:
+                    record.works, record.num_landed = None, len(record.segments)
+                self._push_rev(wire.End(record.req_id, TransferState.DONE))
+                return
+            with table.lock:
+                if record.cancel is not None:
+                    break
+                record.num_landed += 1
+                record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
+        works.clear()  # cancels every receive still posted: nothing lands in the slots now
+        del works
+        with table.lock:  # only now may end() finish it directly
+            record.works = None
+            cancel = record.cancel
+        if cancel is not None:
+            table.finish(record, *cancel)
+        elif error is not None:
+            reason = FailReason.TIMEOUT if error.timed_out else FailReason.PEER_LOST
+            table.finish(record, TransferState.FAILED, reason, Side.PRODUCER,
+                         f"receiving from the producer: {error}")
 
     def _on_end(self, msg: wire.End) -> None:
         record = self._owner.table.get(msg.req)
         if record is not None and record.link is self:
-            self._owner.table.finish(record, msg.state, msg.reason, msg.side, msg.detail)
+            # answered even when nothing is owed: a posted transfer's End asks for the flush
+            self._owner.end(record, msg.state, msg.reason, msg.side, msg.detail)
 
-    def _validate(self, msg: wire.Blocks, record: TransferRecord | None) -> tuple[FailReason, Side, str] | None:
-        layout = self._owner.layout
-        if record is None or record.link is not self:
-            return FailReason.UNKNOWN_REQUEST, Side.CONSUMER, "no open reservation for this request id"
-        if msg.layers != [0, layout.num_layers]:
-            return FailReason.MISMATCH, Side.PRODUCER, f"layer range {msg.layers}, expected [0, {layout.num_layers}]"
-        if msg.dtype != dtype_to_wire(layout.dtype):
-            return FailReason.MISMATCH, Side.PRODUCER, f"dtype {msg.dtype}, reserved {dtype_to_wire(layout.dtype)}"
-        if msg.block_shape != list(layout.block_shape):
-            return FailReason.MISMATCH, Side.PRODUCER, f"block shape {msg.block_shape}, reserved {list(layout.block_shape)}"
-        n = len(msg.dst)
-        if len(msg.positions) != n or sum(msg.parts) != n or any(p == 0 for p in msg.parts):
-            return FailReason.MISMATCH, Side.PRODUCER, "positions, block ids and parts disagree in count"
-        if msg.crc is not None and len(msg.crc) != len(msg.parts):
-            return FailReason.MISMATCH, Side.PRODUCER, "one checksum per part expected"
-        for lo, count, direct in zip(msg.part_offsets, msg.parts, msg.direct, strict=True):
-            if direct and msg.dst[lo:lo + count] != list(range(msg.dst[lo], msg.dst[lo] + count)):
-                return FailReason.MISMATCH, Side.PRODUCER, "a direct part needs consecutive slots"
-        if len(set(msg.positions)) != n:
-            return FailReason.MISMATCH, Side.PRODUCER, "repeated positions"
-        for pos, dst in zip(msg.positions, msg.dst, strict=True):
-            if pos >= len(record.block_ids) or pos in record.present or pos in record.done_positions:
-                return FailReason.MISMATCH, Side.PRODUCER, f"position {pos} is not awaiting a block"
-            if record.block_ids[pos] != dst:
-                return FailReason.MISMATCH, Side.PRODUCER, f"block id {dst} at position {pos} is not the reserved {record.block_ids[pos]}"
-        return None
+    # -- announced path -------------------------------------------------------------------------
 
-    def _part_sizes(self, msg: wire.Blocks) -> list[int]:
-        """Bytes of each part as the producer declared it (to drain a refused group)."""
-        try:
-            elem = dtype_from_wire(msg.dtype).itemsize
-        except ValueError as exc:
-            raise wire.ProtocolError(str(exc)) from None
-        if len(msg.layers) != 2 or msg.layers[1] <= msg.layers[0] or len(msg.block_shape) != 3:
-            raise wire.ProtocolError("malformed layer range or block shape")
-        per_block = (msg.layers[1] - msg.layers[0]) * 2 * elem
-        for d in msg.block_shape:
-            per_block *= d
-        sizes = [per_block * n for n in msg.parts]
-        if len(msg.direct) != len(msg.parts) or any(d not in (0, 1) for d in msg.direct):
-            raise wire.ProtocolError("one direct flag (0 or 1) per part expected")
-        if sum(sizes) != msg.nbytes or msg.nbytes > self._owner.config.max_group_bytes:
-            raise wire.ProtocolError(f"declared payload of {msg.nbytes} bytes is inconsistent or too large")
-        return sizes
-
-    def _on_blocks(self, msg: wire.Blocks, frame: Slab | None) -> None:
-        """Receive a group's parts (part 0 is already in ``frame`` in frames mode), validate
-        before writing, write each part into its slots as it completes."""
-        owner, cfg = self._owner, self._owner.config
-        sizes = self._part_sizes(msg)
-        if not sizes:
-            raise wire.ProtocolError("a blocks message without parts")
-        if frame is not None and msg.direct[0]:
-            frame = None  # a header-only frame: part 0 goes direct
-        if frame is not None and sizes[0] > frame.capacity:
-            raise wire.ProtocolError("part 0 does not fit the frame")
-        record = owner.table.get(msg.req)
-        skip = record is not None and record.link is self and record.state.is_terminal
-        refusal = None if skip else self._validate(msg, record)
-        if refusal is not None:
-            self._refuse(msg.req, *refusal)
-        write = not skip and refusal is None and not self._closing.is_set()
-        channel, staging = self._channel, self._staging
-        if channel is None or staging is None:
+    def _on_blocks(self, msg: wire.Blocks) -> None:
+        """Receive the announced segments into their slots (or drain them), in order."""
+        owner, table = self._owner, self._owner.table
+        if any(n == 0 for n in msg.sizes) or (msg.crc is not None and len(msg.crc) != len(msg.sizes)):
+            raise wire.ProtocolError("a blocks message with an empty segment or stray checksums")
+        record = table.get(msg.req)
+        serve = record is not None and record.link is self
+        if serve and record is not None and record.posted:
+            raise wire.ProtocolError("a blocks message for a transfer on the posted path")
+        if serve and record is not None and not self._closing.is_set():
+            plan = [s.num_blocks for s in record.segments[msg.first:msg.first + len(msg.sizes)]]
+            if msg.first != record.num_landed or msg.sizes != plan or msg.tag != record.tag:
+                self._refuse(msg.req, FailReason.MISMATCH, Side.PRODUCER,
+                             "the announced segments are not the next ones of the plan")
+                serve = False
+        if not serve or record is None:
+            self._drain(msg.tag, msg.sizes)
+            return
+        timeout = owner.config.stall_timeout_s
+        per_block = owner.layout.bytes_per_block
+        channel = self._channel
+        if channel is None:
             raise wire.ProtocolError("blocks before the pair was set up")
-        wire_dtype = dtype_from_wire(msg.dtype)
-        offsets = msg.part_offsets
-        in_flight: deque[_Item] = deque()
-        if frame is not None:
-            in_flight.append((0, None, frame, None))
-        for i in range(1 if frame is not None else 0, len(sizes)):
-            if msg.direct[i]:
-                while in_flight:
-                    write = self._complete(msg, in_flight.popleft(), offsets, record, write)
-                write = self._receive_direct(msg, i, sizes[i], wire_dtype, record, write)
-                continue
-            if len(in_flight) >= cfg.max_in_flight_parts:
-                write = self._complete(msg, in_flight.popleft(), offsets, record, write)
-            slab = staging.take(sizes[i])
-            work = channel.recv(slab.message(sizes[i], wire_dtype), DATA_TAG)
-            in_flight.append((i, work, slab, staging))
-        while in_flight:
-            write = self._complete(msg, in_flight.popleft(), offsets, record, write)
-        if write and record is not None:
-            with owner.table.lock:
-                complete = len(record.done_positions) == record.num_total
-            if complete and owner.table.finish(record, TransferState.DONE):
-                self._push_rev(wire.End(msg.req, TransferState.DONE))
-
-    def _receive_direct(self, msg: wire.Blocks, i: int, nbytes: int, wire_dtype: torch.dtype,
-                        record: TransferRecord | None, write: bool) -> bool:
-        """A direct part: one receive per (layer, K|V) straight into a run of slots, under the
-        record's io_lock so that abort() returns only after the bytes have landed."""
-        channel, staging = self._channel, self._staging
-        if channel is None or staging is None:
-            raise wire.ProtocolError("blocks before the pair was set up")
-        layers = msg.layers[1] - msg.layers[0]
-        n, lo = msg.parts[i], msg.part_offsets[i]
-        per_slice = nbytes // (2 * layers)
-        timeout = self._owner.config.stall_timeout_s
-        if write and record is not None:
-            with record.io_lock:
-                if not record.state.is_terminal:
-                    pieces = run_slices(self._owner._store.kv_tensor(), msg.dst[lo], n)
-                    works = [channel.recv(piece, DATA_TAG) for piece in pieces]
-                    for work in works:
-                        work.wait(timeout)
-                    if self._stream is not None:
-                        self._stream.synchronize()
-                    with self._owner.table.lock:
-                        record.done_positions.update(msg.positions[lo:lo + n])
-                        record.mark_progress(n, nbytes)
-                    return True
-        scratch = staging.take(per_slice)  # drain: every slice into the same scratch bytes
-        try:
-            works = [channel.recv(scratch.message(per_slice, wire_dtype), DATA_TAG)
-                     for _ in range(2 * layers)]
-            for work in works:
-                work.wait(timeout)
-        finally:
-            staging.give(scratch)
-        return False
-
-    def _complete(self, msg: wire.Blocks, item: _Item, offsets: list[int],
-                  record: TransferRecord | None, write: bool) -> bool:
-        """Wait for one part and write it into the slots; returns whether to keep writing."""
-        i, work, slab, pool = item
-        try:
-            if work is not None:
-                work.wait(self._owner.config.stall_timeout_s)
-            if not write or record is None:
-                return False
-            n, lo = msg.parts[i], offsets[i]
-            nbytes = n * self._owner.layout.bytes_per_block
-            if msg.crc is not None and _crc(slab.payload(nbytes)) != msg.crc[i]:
-                self._refuse(msg.req, FailReason.CHECKSUM, Side.PRODUCER, f"part {i} checksum mismatch")
-                return False
+        for i, seg in enumerate(record.segments[msg.first:msg.first + len(msg.sizes)]):
             with record.io_lock:
                 if record.state.is_terminal:
-                    return False
-                try:
-                    self._pool.scatter(msg.dst[lo:lo + n], slab)
-                    if self._stream is not None:
-                        self._stream.synchronize()
-                except Exception as exc:  # the pool refused the write: this transfer fails
-                    self._refuse(msg.req, FailReason.LOCAL_ERROR, Side.CONSUMER, f"writing blocks: {exc}")
-                    return False
-                with self._owner.table.lock:
-                    record.done_positions.update(msg.positions[lo:lo + n])
-                    record.mark_progress(n, nbytes)
-            return True
-        finally:
-            if pool is not None:
-                pool.give(slab)
+                    self._drain(msg.tag, msg.sizes[i:])
+                    return
+                region = self._pool.run(seg.first_slot, seg.num_blocks)
+                channel.recv(region, msg.tag).wait(timeout)
+                if self._stream is not None:
+                    self._stream.synchronize()
+                if msg.crc is not None and crc32(region) != msg.crc[i]:
+                    self._refuse(msg.req, FailReason.CHECKSUM, Side.PRODUCER,
+                                 f"segment {seg.index} checksum mismatch")
+                    self._drain(msg.tag, msg.sizes[i + 1:])
+                    return
+                with table.lock:
+                    record.num_landed += 1
+                    record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
+        if record.num_landed == len(record.segments) and table.finish(record, TransferState.DONE):
+            self._push_rev(wire.End(msg.req, TransferState.DONE))
+
+    def _drain(self, tag: int, sizes: list[int]) -> None:
+        """Receive announced segments nobody wants (the producer sends them regardless)."""
+        channel = self._channel
+        if channel is None or not sizes:
+            return
+        per_block = self._owner.layout.bytes_per_block
+        limit = self._owner.config.part_bytes
+        need = max(sizes) * per_block
+        if need > max(limit, per_block):
+            raise wire.ProtocolError(f"an announced segment of {need} bytes is too large")
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8, device=self._owner.layout.device)
+        timeout = self._owner.config.stall_timeout_s
+        for n in sizes:
+            channel.recv(self._scratch[: n * per_block], tag).wait(timeout)
+
+    # -- teardown -------------------------------------------------------------------------------
 
     def _teardown(self, reason: FailReason, detail: str, notify: bool = False) -> None:
-        """The pair is gone: fail its live transfers, close the group, forget the link."""
+        """The pair is gone: end its live transfers, close the group, forget the link. Posted
+        transfers end once their waiters have dropped their receives (closing the channel
+        fails those receives at once)."""
         self._closing.set()
         owner = self._owner
         local = owner._closed.is_set()
+        ending = []
         for record in owner.table.live():
             if record.link is self:
                 state = TransferState.ABORTED if local else TransferState.FAILED
-                if owner.table.finish(record, state, None if local else reason,
-                                      Side.CONSUMER if local else Side.PRODUCER, detail) and notify:
-                    self._push_rev(wire.End(record.req_id, state, reason, Side.PRODUCER, detail))
+                owner.end(record, state, None if local else reason,
+                          Side.CONSUMER if local else Side.PRODUCER, detail, tell_producer=notify)
+                if record.waiter is not None and record.waiter is not threading.current_thread():
+                    ending.append(record)
         if self._channel is not None:
             self._channel.close()
+        # Closing fails the waiters' receives, all but one whose message was cut off midway
+        # (gloo signals its pending receives, not the one it was reading into when the
+        # connection broke). The pair is closed, so nothing more lands in any receive of it:
+        # a waiter still blocked after the grace is left behind and its transfer ended here.
+        deadline = time.monotonic() + _WAITER_GRACE_S
+        for record in ending:
+            record.waiter.join(max(0.0, deadline - time.monotonic()))
+            if record.waiter.is_alive() and record.cancel is not None:
+                log.warning("kvtransfer consumer: a receive of %s stays blocked on the closed "
+                            "pair %s; ending it", record.req_id, self.pair)
+                owner.table.finish(record, *record.cancel)
         owner._drop_link(self)
-
-
-# (part index, work or None when already here, slab, the pool to give the slab back to, or
-# None: the frame, which the read loop keeps)
-_Item = tuple[int, Work | None, Slab, SlabPool | None]
-
-
-def _crc(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.detach().cpu().numpy().tobytes())

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.backend import ChannelError
+from kvtransfer.backend import CLOSE_TAG, ChannelError
 
 # Blocking pops wake up this often only to re-arm; closing wakes them with a message.
 _POP_REARM = datetime.timedelta(hours=1)
@@ -68,10 +68,21 @@ class DistChannel:
         if self._closed:
             return
         self._closed = True
+        if self._cuda:
+            try:
+                self._group.abort()  # aborts the NCCL communicator
+            except RuntimeError:
+                self._group.shutdown()
+            return
+        # ProcessGroupGloo's abort() and shutdown() leave the pair open (measured: a receive
+        # posted before either still gets the peer's next message). What does close it is an
+        # application timeout: gloo then signals every pair of the group, each pending and
+        # later operation on both ends fails. So time out on a receive nobody sends to.
         try:
-            self._group.abort()  # closes the pair's sockets / aborts the NCCL communicator
+            work = self._group.recv([torch.empty(1, dtype=torch.uint8)], self._peer, CLOSE_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))
         except RuntimeError:
-            self._group.shutdown()
+            pass
 
 
 class DistQueue:

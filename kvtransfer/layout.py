@@ -1,9 +1,11 @@
 """The KV block layout kvtransfer moves, and the store interface it reads and writes through.
 
-A block is ``kv[:, :, block_id]`` of the pool tensor ``[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]`` (contracts.md). :class:`KVStore` is the structural interface the
-engine's block pool satisfies; :class:`TensorKVStore` is a plain pool tensor with the same
-interface for workers without an engine (benchmarks) and for tests.
+A block is ``kv[block_id]`` of the pool tensor ``[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]`` (block-major, as the engine's ``BlockPool`` lays it out): every
+layer's K and V of the block in one contiguous region, so a run of consecutive blocks is one
+region and travels as one message. :class:`KVStore` is the structural interface the engine's
+block pool satisfies; :class:`TensorKVStore` is a plain pool tensor with the same interface for
+workers without an engine (benchmarks) and for tests.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ class KVLayout:
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
     def group_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of ``num_blocks`` blocks as read_blocks returns them."""
-        return (self.num_layers, 2, num_blocks, *self.block_shape)
+        """Shape of ``num_blocks`` blocks as read_blocks returns them (and the pool holds them)."""
+        return (num_blocks, self.num_layers, 2, *self.block_shape)
 
     @property
     def bytes_per_block(self) -> int:
@@ -104,11 +106,12 @@ class KVLayout:
 class KVStore(Protocol):
     """What kvtransfer needs from a worker's block pool.
 
-    ``read_blocks`` returns a contiguous copy; ``write_blocks`` overwrites the given blocks
-    (shape ``group_shape(len(block_ids))``). kvtransfer calls them from its own threads, only
-    for blocks the caller handed it (source blocks of a live transfer, reserved slots), so
-    they must not touch pool bookkeeping shared with the step loop. ``kv_tensor`` is the whole
-    pool tensor; the producer gathers from it into reused staging buffers.
+    ``kv_tensor`` is the whole pool tensor ``[num_blocks, *group_shape(1)[1:]]``, contiguous:
+    kvtransfer sends runs of source blocks straight from it, receives straight into runs of
+    reserved slots, and gathers scattered source blocks into reused staging buffers, from its
+    own threads and only for blocks the caller handed it (source blocks of a live transfer,
+    reserved slots). ``read_blocks`` (a contiguous copy) and ``write_blocks`` (shape
+    ``group_shape(len(block_ids))``) are for tests and swaps.
     """
 
     def kv_layout(self) -> Any: ...
@@ -120,6 +123,17 @@ class KVStore(Protocol):
     def kv_tensor(self) -> torch.Tensor: ...
 
 
+def check_pool(store: KVStore, layout: KVLayout) -> None:
+    """The pool tensor must be block-major and contiguous: runs of it travel as they are."""
+    kv = store.kv_tensor()
+    if (kv.dim() != 6 or tuple(kv.shape[1:]) != layout.group_shape(1)[1:]
+            or not kv.is_contiguous() or kv.dtype != layout.dtype):
+        raise ValueError(f"the KV pool must be one contiguous {layout.dtype} tensor "
+                         f"[num_blocks, {', '.join(map(str, layout.group_shape(1)[1:]))}], "
+                         f"got {kv.dtype} {tuple(kv.shape)}"
+                         f"{'' if kv.is_contiguous() else ' (not contiguous)'}")
+
+
 class TensorKVStore:
     """A bare pool tensor with the :class:`KVStore` interface (no allocator: callers own ids)."""
 
@@ -128,7 +142,7 @@ class TensorKVStore:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, *layout.block_shape)
+        shape = layout.group_shape(num_blocks)
         if fill == "zeros":
             self._kv = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
         elif fill == "random":
@@ -143,13 +157,13 @@ class TensorKVStore:
         return self._kv
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return self._kv.index_select(2, self._index(block_ids))
+        return self._kv.index_select(0, self._index(block_ids))
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         expected = self._layout.group_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"write_blocks: data shape {tuple(data.shape)}, expected {expected}")
-        self._kv.index_copy_(2, self._index(block_ids), data)
+        self._kv.index_copy_(0, self._index(block_ids), data)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         for b in block_ids:

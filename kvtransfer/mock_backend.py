@@ -2,8 +2,10 @@
 
 For unit tests of the layers above (worker actors, schedulers): producers and consumers in one
 process talk through a :class:`MockHub` (queues and tensor pipes in memory) with the same
-protocol, states, timeouts and failure handling as the torch.distributed transport. Tensors
-are copied on send, so the two pools never alias.
+protocol, states, timeouts and failure handling as the torch.distributed transport. A send
+copies into the receive posted for it (or into an inbox until one is), so the two pools never
+alias; receives are matched per tag in posting order, may be larger than their message, are
+cancelled when their Work is dropped, and a timed-out wait closes the pipe, as over gloo.
 """
 
 from __future__ import annotations
@@ -93,43 +95,75 @@ class MockHub:
 
 
 class _MockPipe:
-    """Two directions of tensor messages, FIFO per tag, shared by both ranks."""
+    """Two directions of tensor messages, matched per (destination rank, tag) in order."""
 
     def __init__(self) -> None:
         self.arrivals = 0
         self.cond = threading.Condition()
-        self.inbox: dict[tuple[int, int], deque[torch.Tensor]] = {}  # (dst rank, tag)
+        self.posted: dict[tuple[int, int], deque[_Slot]] = {}  # receives waiting for a message
+        self.inbox: dict[tuple[int, int], deque[torch.Tensor]] = {}  # messages before a receive
         self.closed = False
 
 
-class _MockWork:
-    __slots__ = ("_pipe", "_rank", "_tag", "_tensor")
+class _Slot:
+    """A posted receive as the pipe sees it (the Work handed out refers to it)."""
 
-    def __init__(self, pipe: _MockPipe, rank: int, tag: int, tensor: torch.Tensor | None) -> None:
-        self._pipe, self._rank, self._tag, self._tensor = pipe, rank, tag, tensor
+    __slots__ = ("buffer", "done", "error", "cancelled")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.done = False
+        self.error: str | None = None
+        self.cancelled = False
+
+    def fill(self, data: torch.Tensor) -> None:
+        src = data.reshape(-1).view(torch.uint8)
+        dst = self.buffer.reshape(-1).view(torch.uint8)
+        if src.numel() > dst.numel():
+            self.error = "recv: message larger than the posted buffer"
+        else:
+            dst[: src.numel()].copy_(src)
+        self.done = True
+
+
+class _MockSendWork:
+    __slots__ = ()
+
+    def wait(self, timeout_s: float) -> None:  # a send is buffered at once
+        return None
+
+
+class _MockRecvWork:
+    """Like gloo's: dropping it cancels the receive (after a copy in progress has finished,
+    since the copy holds the pipe's lock); a wait that times out closes the pipe."""
+
+    __slots__ = ("_pipe", "_slot")
+
+    def __init__(self, pipe: _MockPipe, slot: _Slot) -> None:
+        self._pipe, self._slot = pipe, slot
 
     def wait(self, timeout_s: float) -> None:
-        if self._tensor is None:  # a send: buffered at once
-            return
         deadline = time.monotonic() + timeout_s
-        pipe = self._pipe
+        pipe, slot = self._pipe, self._slot
         with pipe.cond:
-            while True:
-                box = pipe.inbox.get((self._rank, self._tag))
-                if box:
-                    data = box.popleft()
-                    break
+            while not slot.done:
                 if pipe.closed:
-                    raise ChannelError("recv: mock pipe closed by peer")
+                    raise ChannelError("recv: mock pipe closed")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    pipe.closed = True  # as gloo closes the pair on an application timeout
+                    pipe.cond.notify_all()
                     raise ChannelError("recv: timed out", timed_out=True)
                 pipe.cond.wait(remaining)
-        src = data.reshape(-1).view(torch.uint8)
-        dst = self._tensor.reshape(-1).view(torch.uint8)
-        if src.numel() > dst.numel():
-            raise ChannelError("recv: message larger than the posted buffer")
-        dst[: src.numel()].copy_(src)
+        if slot.error is not None:
+            raise ChannelError(slot.error)
+
+    def __del__(self) -> None:
+        try:
+            with self._pipe.cond:
+                self._slot.cancelled = True
+        except Exception:  # interpreter shutdown
+            pass
 
 
 class MockChannel:
@@ -139,19 +173,35 @@ class MockChannel:
     def __init__(self, pipe: _MockPipe, rank: int) -> None:
         self._pipe, self._rank = pipe, rank
 
-    def send(self, tensor: torch.Tensor, tag: int) -> _MockWork:
-        with self._pipe.cond:
-            if self._pipe.closed:
+    def send(self, tensor: torch.Tensor, tag: int) -> _MockSendWork:
+        pipe = self._pipe
+        with pipe.cond:
+            if pipe.closed:
                 raise ChannelError("send: mock pipe closed")
-            box = self._pipe.inbox.setdefault((1 - self._rank, tag), deque())
-            box.append(tensor.detach().clone())
-            self._pipe.cond.notify_all()
-        return _MockWork(self._pipe, self._rank, tag, None)
+            key = (1 - self._rank, tag)
+            posted = pipe.posted.get(key)
+            if posted:
+                slot = posted.popleft()
+                if not slot.cancelled:  # a cancelled receive swallows its message, as in gloo
+                    slot.fill(tensor)
+                    pipe.cond.notify_all()
+            else:
+                pipe.inbox.setdefault(key, deque()).append(tensor.detach().clone())
+        return _MockSendWork()
 
-    def recv(self, tensor: torch.Tensor, tag: int) -> _MockWork:
-        if self._pipe.closed:
-            raise ChannelError("recv: mock pipe closed")
-        return _MockWork(self._pipe, self._rank, tag, tensor)
+    def recv(self, tensor: torch.Tensor, tag: int) -> _MockRecvWork:
+        pipe = self._pipe
+        slot = _Slot(tensor)
+        with pipe.cond:
+            if pipe.closed:
+                raise ChannelError("recv: mock pipe closed")
+            key = (self._rank, tag)
+            inbox = pipe.inbox.get(key)
+            if inbox:
+                slot.fill(inbox.popleft())
+            else:
+                pipe.posted.setdefault(key, deque()).append(slot)
+        return _MockRecvWork(pipe, slot)
 
     def close(self) -> None:
         with self._pipe.cond:

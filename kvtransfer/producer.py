@@ -5,11 +5,14 @@ Life of a transfer here::
     1. begin(ticket)            PENDING; the pair to that consumer is opened lazily (Hello on
                                 its accept queue, two-rank process group, rank 0) by the
                                 link's sender thread, so begin never blocks
-    2. push(req, src_ids)       each finished chunk's blocks; positions present at the
-                                consumer are skipped; the sender thread gathers them into a
-                                reused staging buffer and sends part by part while the
-                                caller's next chunk computes (TRANSFERRING)
-    3. End(DONE) on rev queue   the consumer wrote every block: DONE
+    2. Ready on the rev queue   posted path: the consumer posted a receive per segment
+    3. push(req, src_ids)       each finished chunk's blocks; positions present at the
+                                consumer are skipped; every segment whose last position is
+                                pushed goes as one message (from push itself when the link is
+                                idle, else the sender thread) while the next chunk computes
+                                (TRANSFERRING)
+    4. End(DONE) on rev queue   the consumer wrote every block: DONE (if it never says so,
+                                the stall watchdog calls it DONE once every send completed)
     any time: abort(), a stall past the timeout, the consumer's End/Bye or death -> terminal;
     from then on the source blocks are not read again (the caller releases them).
 """
@@ -27,11 +30,10 @@ from typing import Any
 import torch
 
 from kvtransfer import wire
-from kvtransfer.backend import (
-    Backend,
-)
+from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend
 from kvtransfer.dist_backend import DistBackend
-from kvtransfer.layout import KVLayout, KVStore
+from kvtransfer.layout import KVLayout, KVStore, check_pool
+from kvtransfer.plan import plan_segments
 from kvtransfer.producer_link import ProducerLink
 from kvtransfer.state import (
     FailReason,
@@ -64,9 +66,11 @@ class KVProducer:
     ) -> None:
         self._store = store
         self.layout = KVLayout.of(store.kv_layout())
+        check_pool(store, self.layout)
         self.location = location or Location(socket.gethostname(), str(self.layout.device))
         self.config = config or TransferConfig()
         self._backend = backend or DistBackend()
+        self._cuda = self.layout.device.type == "cuda"
         self.endpoint_id = f"p-{uuid.uuid4().hex[:12]}"
         self._server = self._backend.listen(self.location.host)
         self._table = TransferTable(Side.PRODUCER)
@@ -90,12 +94,15 @@ class KVProducer:
         """Start a transfer for a consumer's ticket; never blocks (the pair opens lazily)."""
         if self._closed:
             raise RuntimeError("producer is closed")
-        req_id, block_ids, present, consumer = _parse_ticket(ticket)
+        req_id, block_ids, present, tag, segment_blocks, consumer = _parse_ticket(ticket)
         if consumer["backend"] != self._backend.name:
             raise ValueError(f"ticket is for a {consumer['backend']!r} backend, "
                              f"this producer uses {self._backend.name!r}")
         record = TransferRecord(req_id, Side.PRODUCER, block_ids, present,
-                                len(block_ids) - len(present))
+                                len(block_ids) - len(present), tag=tag,
+                                segment_blocks=segment_blocks,
+                                segments=plan_segments(block_ids, present, segment_blocks),
+                                src=[-1] * len(block_ids))
         record.topology = self.location.topology_to(Location.from_wire(consumer["location"]))
         record.backend = self._backend.channel_backend_name(self.layout.device)
         self._table.add(record)
@@ -117,31 +124,25 @@ class KVProducer:
         record = self._table.get(req_id)
         if record is None:
             raise ValueError(f"no transfer {req_id!r}; call begin(ticket) first")
-        src = [int(b) for b in src_block_ids]
+        src = list(map(int, src_block_ids))
         start = record.cursor if first_position is None else int(first_position)
-        if start < record.cursor:
-            raise ValueError(f"position {start} was already pushed (next is {record.cursor})")
-        if any(p not in record.present for p in range(record.cursor, start)):
-            raise ValueError(f"positions {record.cursor}..{start - 1} skipped but not present "
-                             "at the consumer")
+        if start != record.cursor:
+            _check_skip(record, start)
         end = start + len(src)
         if end > len(record.block_ids):
             raise ValueError(f"{end} blocks pushed, the reservation has {len(record.block_ids)}")
+        record.src[start:end] = src
         record.cursor = end
         if record.state.is_terminal or record.link is None:
             return  # the caller learns why from poll()
-        keep = [(p, s) for p, s in zip(range(start, end), src, strict=True)
-                if p not in record.present]
-        if not keep:
-            return
-        record.last_progress = time.monotonic()
-        if record.link.try_inline(record, keep):
-            return
         event = None
-        if self.layout.device.type == "cuda":
+        if self._cuda:
             event = torch.cuda.Event()
             event.record()  # the blocks are final on the caller's current stream
-        record.link.submit(("blocks", record, keep, event))
+        record.link.on_pushed(record, event)  # first: the bookkeeping below overlaps the send
+        record.last_progress = time.monotonic()
+        if record.state is TransferState.PENDING:
+            self._table.mark_started(record)
 
     def poll(self, req_id: str) -> TransferStatus | None:
         return self._table.status(req_id)
@@ -214,23 +215,43 @@ class KVProducer:
                 del self._links[link.consumer_id]
 
     def _on_overdue(self, record: TransferRecord) -> None:
-        if record.state is TransferState.PENDING:
-            side, detail = Side.PRODUCER, "no block was pushed within the start timeout"
-        elif record.cursor < len(record.block_ids):
-            side, detail = Side.PRODUCER, "the producer pushed no block within the stall timeout"
-        else:
-            side, detail = Side.CONSUMER, "the consumer did not confirm within the stall timeout"
+        if record.cursor < len(record.block_ids):
+            if record.state is TransferState.PENDING and record.cursor == 0:
+                detail = "no block was pushed within the start timeout"
+            else:
+                detail = "the producer pushed no block within the stall timeout"
+            self.fail_overdue(record, Side.PRODUCER, detail)
+        elif record.link is not None and not record.confirming:
+            # Every block is pushed and the consumer has not confirmed: once every send has
+            # completed the blocks have left this pool (DONE), else the consumer is stalled.
+            record.confirming = True
+            record.link.submit(("confirm", record))
+        elif record.link is None:
+            self.fail_overdue(record, Side.CONSUMER, "the consumer did not confirm in time")
+
+    def fail_overdue(self, record: TransferRecord, side: Side, detail: str) -> None:
+        """A timeout ends the transfer here and tells the consumer."""
         if self._table.finish(record, TransferState.FAILED, FailReason.TIMEOUT, side, detail):
             if record.link is not None:
                 record.link.submit(("end", record, wire.End(
                     record.req_id, TransferState.FAILED, FailReason.TIMEOUT, side, detail)))
 
 
-def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], dict[str, Any]]:
+def _check_skip(record: TransferRecord, start: int) -> None:
+    if start < record.cursor:
+        raise ValueError(f"position {start} was already pushed (next is {record.cursor})")
+    if any(p not in record.present for p in range(record.cursor, start)):
+        raise ValueError(f"positions {record.cursor}..{start - 1} skipped but not present "
+                         "at the consumer")
+
+
+def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], int, int,
+                                           dict[str, Any]]:
     if not isinstance(ticket, dict):
         raise ValueError(f"ticket must be a dict, got {type(ticket).__name__}")
     req_id, block_ids = ticket.get("req_id"), ticket.get("block_ids")
     present, consumer = ticket.get("present", []), ticket.get("consumer")
+    tag, segment_blocks = ticket.get("tag"), ticket.get("segment_blocks")
     if not isinstance(req_id, str) or not req_id:
         raise ValueError("ticket req_id must be a non-empty string")
     if not isinstance(block_ids, list) or not block_ids or not all(
@@ -241,8 +262,12 @@ def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], dict[
         isinstance(p, int) and 0 <= p < len(block_ids) for p in present
     ):
         raise ValueError("ticket present must list positions into block_ids")
+    if not isinstance(tag, int) or not FIRST_DATA_TAG <= tag <= MAX_DATA_TAG:
+        raise ValueError(f"ticket tag must be an int in [{FIRST_DATA_TAG}, {MAX_DATA_TAG}]")
+    if not isinstance(segment_blocks, int) or segment_blocks < 1:
+        raise ValueError("ticket segment_blocks must be a positive int")
     if not isinstance(consumer, dict) or not all(
         k in consumer for k in ("endpoint_id", "backend", "server", "location", "layout")
     ):
         raise ValueError("ticket consumer must be a consumer's address() dict")
-    return req_id, list(block_ids), frozenset(present), consumer
+    return req_id, list(block_ids), frozenset(present), tag, segment_blocks, consumer

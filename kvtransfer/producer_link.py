@@ -1,16 +1,29 @@
 """One producer-consumer pair, producer side: the sender and acknowledgement threads.
 
 Owned by :class:`kvtransfer.producer.KVProducer` (one link per consumer endpoint); see that
-module for the transfer's life and this class's docstring for how sends are issued.
+module for the transfer's life. Every segment of the plan (kvtransfer.plan) is one message on
+the transfer's tag, sent once its last position is pushed and the consumer can take it:
+
+* posted path (a channel that keeps receives posted, gloo or mock, without checksums): the
+  consumer posts every segment's receive when it accepts the Open and answers Ready; from
+  then on ``push`` itself sends each finished segment when the link is idle (no thread
+  hand-off on the latency path). The consumer's End(DONE), or any next job, has the sender
+  thread reap those sends.
+* announced path (NCCL, or with checksums): a Blocks message (with the checksums) precedes
+  each batch of segments; the consumer posts their receives when it reads it.
+
+A segment is sent straight from the pool when its source blocks are consecutive, else
+gathered into a staging slab. Sends are issued under ``_issue_lock`` in order, so at most one
+message per posted receive ever travels on a tag: when the consumer cancels (its End), one
+empty message releases its next posted receive if some segment was not sent (the flush),
+and no segment is sent after that.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 import uuid
-import zlib
 from collections import deque
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -18,27 +31,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtransfer import wire
-from kvtransfer.backend import DATA_TAG, FRAME_TAG, Channel, ChannelError, MessageQueue, Work
-from kvtransfer.buffers import PoolView, Slab, SlabPool
+from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
+from kvtransfer.buffers import FramePool, PoolView, Slab, SlabPool, crc32
 from kvtransfer.layout import dtype_to_wire
+from kvtransfer.plan import Segment, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferState
-from kvtransfer.transfers import TransferRecord, run_slices
+from kvtransfer.transfers import TransferRecord
 
 if TYPE_CHECKING:
     from kvtransfer.producer import KVProducer
 
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # the flush message
+
 
 class ProducerLink:
-    """One consumer's pair: its process group (rank 0), the fwd stream, its rev queue.
-
-    Fwd messages go as frames on the group when the channel can keep a receive posted
-    (gloo, mock; a frame carries the header and the group's first part in one message), else
-    through our store queue (NCCL). Sends are issued under ``_issue_lock`` in submission
-    order; ``push`` issues a group's first frame itself when nothing is queued before it
-    (no thread hand-off on the latency path), the sender thread does everything else and
-    waits for completions, those of inline frames once the consumer's End arrives or its
-    next job comes (nothing wakes it while a frame is on the wire).
-    """
+    """One consumer's pair: its process group (rank 0), the fwd stream, its rev queue."""
 
     def __init__(self, owner: KVProducer, consumer: dict[str, Any]) -> None:
         self._owner = owner
@@ -48,26 +55,26 @@ class ProducerLink:
         self.dead = False
         self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._issue_lock = threading.Lock()
-        self._queued = 0  # submitted jobs not yet issued: push may only go inline at 0
+        self._queued = 0  # submitted jobs not yet done: push may only send inline at 0
         self._connected = False
-        self._frames = False
+        self._frames = False  # fwd messages as frames on the group (else the store queue)
+        self._posted = False  # the posted path (see the module docstring)
         self._fwd: MessageQueue | None = None
         self._channel: Channel | None = None
-        # (work, slab or None, its pool, record or None, blocks, bytes)
-        self._in_flight: deque[tuple[Work, Slab | None, SlabPool | None, Any, int, int]] = deque()
+        # (work, buffer or None, the pool to give it back to, record or None, blocks)
+        self._in_flight: deque[tuple[Work, Any, Any, TransferRecord | None, int]] = deque()
+        # Transfers opened on this pair whose consumer side has not answered End yet: the
+        # flush needs them even after the caller forgot them.
+        self._records: dict[str, TransferRecord] = {}
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"kvx-send-{self.pair}")
         self._acker: threading.Thread | None = None
         self._fwd_key = f"kvx/{self.pair}/fwd"
         self._rev_key = f"kvx/{self.pair}/rev"
         self._closing = threading.Event()
-        layout, cfg = owner.layout, owner.config
-        lead = int(consumer.get("lead_bytes", cfg.part_bytes))
-        self._per_part = max(1, min(cfg.part_bytes, lead) // layout.bytes_per_block)
-        part_cap = self._per_part * layout.bytes_per_block
-        self._staging = SlabPool(layout, 0, part_cap)
-        self._frame_pool = SlabPool(layout, wire.FRAME_HEADER_BYTES, part_cap)
-        self._pool = PoolView(owner._store, layout)
+        self._frame_pool = FramePool()
+        self._staging: dict[int, SlabPool] = {}  # by segment size
+        self._pool = PoolView(owner._store)
         self._stream: Any = None
 
     def start(self) -> None:
@@ -91,129 +98,87 @@ class ProducerLink:
         if self._channel is not None:
             self._channel.close()
 
-    # -- issuing (caller's thread or sender thread, under _issue_lock) -------------------------
+    # -- push (caller's thread) -----------------------------------------------------------------
 
-    def try_inline(self, record: TransferRecord, keep: list[tuple[int, int]]) -> bool:
-        """Issue the group's first frame from push() itself when the link is idle."""
-        cfg = self._owner.config
-        if not self._frames or cfg.checksum or not self._issue_lock.acquire(blocking=False):
-            return False
-        error: ChannelError | None = None
-        try:
-            if (not self._connected or self._queued or self._closing.is_set()
-                    or len(keep) > wire.MAX_BLOCKS_PER_MESSAGE
-                    or len(self._in_flight) >= cfg.max_in_flight_parts):
-                return False
+    def on_pushed(self, record: TransferRecord, event: Any) -> None:
+        """Positions up to ``record.cursor`` are pushed: send the segments that finished."""
+        if not self._has_sendable(record):
+            return
+        if event is None and self._posted and self._issue_lock.acquire(blocking=False):
+            # Posted path, link idle: send from push() itself (no thread hand-off)
+            error: ChannelError | None = None
             try:
-                rest = self._issue_group_head(record, keep)
+                if self._connected and not self._queued and not self._closing.is_set():
+                    max_in_flight = self._owner.config.max_in_flight_parts
+                    while self._has_sendable(record) and len(self._in_flight) < max_in_flight:
+                        if not self._issue_segment(record):
+                            return
+                    if self._has_sendable(record):  # past the in-flight window: the thread
+                        self._queued += 1
+                        self._jobs.put(("send", record, None))
+                    return
             except ChannelError as exc:
                 error = exc
-                return True
-            if rest:
-                self._queued += 1
-                self._jobs.put(("parts", record, rest))
-            # else the sender thread reaps the frame's send later (the consumer's End asks
-            # for it, any job does it first): no wake-up while the frame is on the wire
-            return True
-        finally:
-            self._issue_lock.release()
-            if error is not None:
-                self._teardown(FailReason.PEER_LOST, f"sending to the consumer: {error}")
+                return
+            finally:
+                self._issue_lock.release()
+                if error is not None:
+                    self._teardown(FailReason.PEER_LOST, f"sending to the consumer: {error}")
+        self.submit(("send", record, event))
 
-    def _header(self, record: TransferRecord, keep: list[tuple[int, int]],
-                parts: list[_Part], crc: list[int] | None) -> wire.Blocks:
-        layout = self._owner.layout
-        return wire.Blocks(
-            req=record.req_id,
-            positions=[p for p, _ in keep],
-            dst=[record.block_ids[p] for p, _ in keep],
-            layers=[0, layout.num_layers],
-            dtype=dtype_to_wire(layout.dtype),
-            block_shape=list(layout.block_shape),
-            parts=[len(blocks) for blocks, _ in parts],
-            nbytes=len(keep) * layout.bytes_per_block,
-            crc=crc,
-            direct=[int(direct) for _, direct in parts],
-        )
+    def _has_sendable(self, record: TransferRecord) -> bool:
+        segments = record.segments
+        return (record.num_issued < len(segments)
+                and segments[record.num_issued].last_position < record.cursor
+                and (record.ready or not record.posted))
 
-    def _split(self, record: TransferRecord, keep: list[tuple[int, int]]) -> list[_Part]:
-        """Parts in position order: long runs (consecutive sources to consecutive slots) go
-        direct, the rest is staged in parts of at most ``_per_part`` blocks."""
-        cfg, layout = self._owner.config, self._owner.layout
-        slice_bytes = layout.bytes_per_block // (2 * layout.num_layers)
-        runs: list[list[tuple[int, int]]] = []
-        for pos, src in keep:
-            if runs:
-                last_pos, last_src = runs[-1][-1]
-                if (src == last_src + 1
-                        and record.block_ids[pos] == record.block_ids[last_pos] + 1):
-                    runs[-1].append((pos, src))
-                    continue
-            runs.append([(pos, src)])
-        parts: list[_Part] = []
-        staged: list[tuple[int, int]] = []
-        for run in runs:
-            if not cfg.checksum and len(run) * slice_bytes >= cfg.direct_min_bytes:
-                parts.extend((staged[i:i + self._per_part], False)
-                             for i in range(0, len(staged), self._per_part))
-                staged = []
-                parts.append((run, True))
-            else:
-                staged.extend(run)
-        parts.extend((staged[i:i + self._per_part], False)
-                     for i in range(0, len(staged), self._per_part))
-        return parts
+    # -- issuing (under _issue_lock) ------------------------------------------------------------
 
-    def _issue_group_head(self, record: TransferRecord,
-                          keep: list[tuple[int, int]]) -> list[_Part]:
-        """Frames mode, no checksum: one frame = header + part 0 when it is staged (header
-        only when it goes direct). Returns the parts still to send."""
-        parts = self._split(record, keep)
-        header = self._header(record, keep, parts, None)
-        blocks, direct = parts[0]
-        nbytes = 0 if direct else len(blocks) * self._owner.layout.bytes_per_block
-        frame = self._frame_pool.take(nbytes)
-        wire.write_frame_header(header, frame.header)
-        if not direct:
-            self._stage_into(frame, blocks, record)
-        self._issue(frame.message(nbytes), FRAME_TAG, frame, self._frame_pool, record,
-                    0 if direct else len(blocks), nbytes)
-        self._mark_started(record)
-        return parts if direct else parts[1:]
-
-    def _issue(self, tensor: torch.Tensor, tag: int, slab: Slab | None,
-               pool: SlabPool | None, record: TransferRecord | None, n: int,
-               nbytes: int) -> None:
+    def _issue(self, tensor: torch.Tensor, tag: int, buf: Any, pool: Any,
+               record: TransferRecord | None, n: int) -> None:
         if self._channel is None:
             raise ChannelError("send before the pair was set up")
         work = self._channel.send(tensor, tag)
-        self._in_flight.append((work, slab, pool, record, n, nbytes))
+        self._in_flight.append((work, buf, pool, record, n))
 
-    def _issue_staged(self, record: TransferRecord, blocks: list[tuple[int, int]]) -> None:
-        """A staged part after the header's: a DATA_TAG message the consumer posts a receive
-        for once it has read the header."""
-        layout = self._owner.layout
-        nbytes = len(blocks) * layout.bytes_per_block
-        slab = self._staging.take(nbytes)
-        self._stage_into(slab, blocks, record)
-        self._issue(slab.message(nbytes, layout.dtype), DATA_TAG, slab, self._staging, record,
-                    len(blocks), nbytes)
+    def _segment_message(self, record: TransferRecord, seg: Segment, read: bool = True
+                         ) -> tuple[torch.Tensor, Slab | None, SlabPool | None]:
+        """The segment as one message: a run of the pool, or its blocks gathered into a slab.
+        ``read`` False (a transfer that ended after it was announced): a slab as it is, so
+        that no read of the source blocks starts after the end (the consumer drains it)."""
+        positions, src, n = seg.positions, record.src, seg.num_blocks
+        first = src[positions[0]]
+        if read and (n == 1 or [src[p] for p in positions] == list(range(first, first + n))):
+            return self._pool.run(first, n), None, None
+        staging = self._staging.get(record.segment_blocks)
+        if staging is None:
+            staging = self._staging[record.segment_blocks] = SlabPool(
+                self._owner.layout, record.segment_blocks)
+        slab = staging.take()
+        if not read:
+            return slab.message(n), slab, staging
+        return self._pool.gather([src[p] for p in positions], slab), slab, staging
 
-    def _stage_into(self, slab: Slab, part: list[tuple[int, int]],
-                    record: TransferRecord) -> bool:
-        """Gather the part's source blocks into the slab's payload; False if the transfer
-        ended (the bytes are then left as they are: the consumer drops them)."""
-        with record.io_lock:  # a terminal record's blocks may already be released
-            if record.state.is_terminal:
+    def _issue_segment(self, record: TransferRecord) -> bool:
+        """Send the record's next segment; False when the transfer ended or was flushed (then
+        nothing more is sent for it: no read of its source blocks starts after the end)."""
+        seg = record.segments[record.num_issued]
+        with record.io_lock:
+            if record.state.is_terminal or record.flushed:
                 return False
-            self._pool.gather([s for _, s in part], slab)
+            tensor, slab, staging = self._segment_message(record, seg)
+            self._issue(tensor, record.tag, slab, staging, record, seg.num_blocks)
+            record.num_issued += 1
         return True
 
-    def _mark_started(self, record: TransferRecord) -> None:
-        with self._owner.table.lock:
-            if record.state is TransferState.PENDING:
-                record.state = TransferState.TRANSFERRING
-                record.started = record.started or time.monotonic()
+    def _send_fwd(self, msg: wire.Message) -> None:
+        if not self._frames:
+            if self._fwd is not None:
+                self._fwd.push(self._fwd_key, wire.encode(msg))
+            return
+        frame = self._frame_pool.take()
+        wire.write_frame(msg, frame.view)
+        self._issue(frame.tensor, FRAME_TAG, frame, self._frame_pool, None, 0)
 
     # -- sender thread --------------------------------------------------------------------------
 
@@ -242,6 +207,7 @@ class ProducerLink:
         with self._issue_lock:
             self._channel = channel
             self._frames = channel.can_prepost
+            self._posted = channel.can_prepost and not cfg.checksum
             self._connected = True
 
     def _send_loop(self) -> None:
@@ -262,20 +228,25 @@ class ProducerLink:
                     kind = job[0]
                     if kind == "stop":
                         return
-                    if kind == "reap":
+                    if kind == "reap":  # not submitted: it does not order sends
                         while self._in_flight:
                             self._reap_one()
                         continue
-                    if kind == "blocks":
-                        self._send_group(*job[1:])
-                    elif kind == "parts":
-                        self._send_parts(job[1], job[2])
-                    elif kind == "open":  # even for an ended record: its End must bind too
-                        self._send_message(wire.Open(job[1].req_id, job[1].num_total))
+                    if kind == "open":
+                        self._open(job[1])
+                    elif kind == "send":
+                        self._send_segments(job[1], job[2])
                     elif kind == "end":
-                        self._send_message(job[2])
+                        self._end(job[1], job[2])
+                    elif kind == "flush":
+                        self._flush(job[1])
+                    elif kind == "confirm":
+                        while self._in_flight:
+                            self._reap_one()
+                        self._confirm(job[1])
                     elif kind == "bye":
-                        self._send_message(wire.Bye())
+                        with self._issue_lock:
+                            self._send_fwd(wire.Bye())
                         while self._in_flight:
                             self._reap_one()
                         return
@@ -285,6 +256,110 @@ class ProducerLink:
             reason = FailReason.TIMEOUT if exc.timed_out else FailReason.PEER_LOST
             self._teardown(reason, f"sending to the consumer: {exc}")
 
+    def _open(self, record: TransferRecord) -> None:
+        """Announce the transfer (even one that already ended: its End must bind too)."""
+        layout = self._owner.layout
+        segments = record.segments
+        msg = wire.Open(
+            req=record.req_id, tag=record.tag,
+            digest=ticket_digest(record.block_ids, record.present),
+            num_blocks=record.num_total, num_segments=len(segments),
+            segment_blocks=record.segment_blocks, layers=[0, layout.num_layers],
+            dtype=dtype_to_wire(layout.dtype), block_shape=list(layout.block_shape),
+            posted=self._posted)
+        self._make_room()
+        with self._issue_lock:
+            record.posted = self._posted
+            self._records[record.req_id] = record
+            self._send_fwd(msg)
+        # segments pushed before the Open wait in their own "send" job (behind this one)
+
+    def _send_segments(self, record: TransferRecord, event: Any) -> None:
+        if event is not None:
+            event.wait()  # our side stream waits for the compute stream that produced them
+        if not self._posted:
+            self._send_announced(record)
+            return
+        while True:
+            self._make_room()
+            with self._issue_lock:
+                if not self._has_sendable(record) or not self._issue_segment(record):
+                    return
+
+    def _send_announced(self, record: TransferRecord) -> None:
+        """Blocks(first, count, crc) then the segments, in batches that fit one message."""
+        checksum = self._owner.config.checksum
+        while self._has_sendable(record):
+            first = record.num_issued
+            count = 0
+            while (first + count < len(record.segments) and count < wire.MAX_SEGMENTS_PER_BLOCKS
+                   and record.segments[first + count].last_position < record.cursor):
+                count += 1
+            if checksum:
+                # the checksums go first, so the batch is staged before it is announced
+                staged = []
+                with record.io_lock:
+                    if record.state.is_terminal:
+                        return
+                    for seg in record.segments[first:first + count]:
+                        staged.append(self._segment_message(record, seg))
+                    if self._stream is not None:
+                        self._stream.synchronize()
+                    crc = [crc32(tensor) for tensor, _, _ in staged]
+                with self._issue_lock:
+                    self._send_fwd(wire.Blocks(record.req_id, record.tag, first,
+                                               _sizes(record, first, count), crc))
+                for seg, (tensor, slab, staging) in zip(
+                        record.segments[first:first + count], staged, strict=True):
+                    self._make_room()
+                    with self._issue_lock:
+                        self._issue(tensor, record.tag, slab, staging, record, seg.num_blocks)
+                        record.num_issued += 1
+                continue
+            with self._issue_lock:
+                if record.state.is_terminal:
+                    return
+                self._send_fwd(wire.Blocks(record.req_id, record.tag, first,
+                                           _sizes(record, first, count), None))
+            # Once announced, every segment is sent even if the transfer ends meanwhile (the
+            # consumer drains it): the stream of messages must match what it was told.
+            for seg in record.segments[first:first + count]:
+                self._make_room()
+                with self._issue_lock, record.io_lock:
+                    live = not record.state.is_terminal
+                    tensor, slab, staging = self._segment_message(record, seg, read=live)
+                    self._issue(tensor, record.tag, slab, staging, record, seg.num_blocks)
+                    record.num_issued += 1
+
+    def _end(self, record: TransferRecord, msg: wire.End) -> None:
+        self._make_room()
+        with self._issue_lock:
+            self._send_fwd(msg)
+            if not record.posted:  # the consumer only mirrors it; nothing is owed
+                self._records.pop(record.req_id, None)
+
+    def _flush(self, record: TransferRecord) -> None:
+        """The consumer cancelled: release the receive it still waits on, if it has one."""
+        self._make_room()
+        with self._issue_lock, record.io_lock:
+            if record.flushed or not record.ready or record.num_issued >= len(record.segments):
+                return
+            record.flushed = True
+            self._issue(_EMPTY, record.tag, None, None, None, 0)
+
+    def _confirm(self, record: TransferRecord) -> None:
+        """The stall watchdog found every block pushed but no End from the consumer: every
+        send has completed now (reaped above), so the blocks left this pool."""
+        with self._owner.table.lock:
+            sent = record.num_issued == len(record.segments)
+        if sent:
+            self._owner.table.finish(
+                record, TransferState.DONE,
+                detail="every block was sent; the consumer did not confirm in time")
+        else:
+            self._owner.fail_overdue(record, Side.CONSUMER,
+                                     "the consumer did not take the blocks in time")
+
     def _make_room(self) -> None:
         while len(self._in_flight) >= self._owner.config.max_in_flight_parts:
             self._reap_one()
@@ -293,104 +368,17 @@ class ProducerLink:
         with self._issue_lock:
             if not self._in_flight:
                 return
-            work, slab, pool, record, n, nbytes = self._in_flight.popleft()
+            work, buf, pool, record, n = self._in_flight.popleft()
         try:
             work.wait(self._owner.config.stall_timeout_s)
         finally:
-            if pool is not None and slab is not None:
+            if pool is not None and buf is not None:
                 with self._issue_lock:
-                    pool.give(slab)
+                    pool.give(buf)
         if record is not None and n:
             with self._owner.table.lock:
                 if not record.state.is_terminal:
-                    record.mark_progress(n, nbytes)
-
-    def _send_message(self, msg: wire.Message) -> None:
-        if not self._frames:
-            if self._fwd is not None:
-                self._fwd.push(self._fwd_key, wire.encode(msg))
-            return
-        self._make_room()
-        with self._issue_lock:
-            frame = self._frame_pool.take(0)
-            wire.write_frame_header(msg, frame.header)
-            self._issue(frame.message(0), FRAME_TAG, frame, self._frame_pool, None, 0, 0)
-
-    def _send_group(self, record: TransferRecord, keep: list[tuple[int, int]], event: Any) -> None:
-        if record.state.is_terminal:
-            return  # never announced: nothing to keep aligned
-        if event is not None:
-            event.wait()  # our side stream waits for the compute stream that produced them
-        step = wire.MAX_BLOCKS_PER_MESSAGE
-        for i in range(0, len(keep), step):
-            self._send_message_group(record, keep[i:i + step])
-
-    def _send_message_group(self, record: TransferRecord, keep: list[tuple[int, int]]) -> None:
-        cfg, layout = self._owner.config, self._owner.layout
-        if not cfg.checksum:
-            if self._frames:
-                self._make_room()
-                with self._issue_lock:
-                    rest = self._issue_group_head(record, keep)
-                self._send_parts(record, rest)
-            else:
-                parts = self._split(record, keep)
-                self._fwd_push(self._header(record, keep, parts, None))
-                self._send_parts(record, parts)
-            return
-        # Checksums travel in the header, so every part is staged before it is announced.
-        parts = self._split(record, keep)  # all staged: no direct parts with checksums
-        staged = []
-        with self._issue_lock:
-            for i, (blocks, _) in enumerate(parts):
-                nbytes = len(blocks) * layout.bytes_per_block
-                pool = self._frame_pool if (i == 0 and self._frames) else self._staging
-                slab = pool.take(nbytes)
-                self._stage_into(slab, blocks, record)
-                crc = zlib.crc32(slab.payload(nbytes).cpu().numpy().tobytes())
-                staged.append((slab, pool, nbytes, crc, len(blocks)))
-            header = self._header(record, keep, parts, [s[3] for s in staged])
-            if self._frames:
-                wire.write_frame_header(header, staged[0][0].header)
-        if not self._frames:
-            self._fwd_push(header)
-        for slab, pool, nbytes, _, n in staged:
-            with self._issue_lock:
-                if slab.head:  # part 0 in the header's frame
-                    tensor, tag = slab.message(nbytes), FRAME_TAG
-                else:
-                    tensor, tag = slab.message(nbytes, layout.dtype), DATA_TAG
-                self._issue(tensor, tag, slab, pool, record, n, nbytes)
-        self._mark_started(record)
-
-    def _send_parts(self, record: TransferRecord, parts: list[_Part]) -> None:
-        for blocks, direct in parts:
-            self._make_room()
-            if direct:
-                self._send_direct(record, blocks)
-                continue
-            with self._issue_lock:
-                self._issue_staged(record, blocks)
-        self._mark_started(record)
-
-    def _send_direct(self, record: TransferRecord, blocks: list[tuple[int, int]]) -> None:
-        """One message per (layer, K|V) straight from the pool (a run of source blocks).
-
-        Once announced, the run is sent even if the transfer ended meanwhile (the consumer
-        drops it); the pool tensor outlives the send, so this only reads stale values."""
-        layout = self._owner.layout
-        first, n = blocks[0][1], len(blocks)
-        per_slice = n * layout.bytes_per_block // (2 * layout.num_layers)
-        with self._issue_lock:
-            for piece in run_slices(self._owner._store.kv_tensor(), first, n):
-                self._issue(piece, DATA_TAG, None, None, record, 0, 0)
-            # progress is counted once, on the last message of the run
-            work, slab, pool, _, _, _ = self._in_flight.pop()
-            self._in_flight.append((work, slab, pool, record, n, per_slice * 2 * layout.num_layers))
-
-    def _fwd_push(self, msg: wire.Message) -> None:
-        if self._fwd is not None:
-            self._fwd.push(self._fwd_key, wire.encode(msg))
+                    record.mark_progress(n, n * self._owner.layout.bytes_per_block)
 
     # -- ack thread -----------------------------------------------------------------------------
 
@@ -412,20 +400,33 @@ class ProducerLink:
                     self.submit(("bye",))
                 self._teardown(FailReason.PEER_LOST, "the consumer closed the pair", local=local)
                 return
-            if isinstance(msg, wire.End):
+            if isinstance(msg, wire.Ready):
+                record = self._records.get(msg.req)
+                if record is not None:
+                    record.ready = True
+                    if self._has_sendable(record):
+                        self.submit(("send", record, None))
+                continue
+            if not isinstance(msg, wire.End):
+                self._teardown(FailReason.PROTOCOL, f"unexpected {type(msg).__name__} on rev")
+                return
+            record = self._records.pop(msg.req, None)
+            if record is None:
+                continue
+            if msg.state is TransferState.DONE:
                 self._jobs.put(("reap",))  # sends that push() issued inline
-                record = table.get(msg.req)
-                if record is not None and record.link is self:
-                    if msg.state is TransferState.DONE:  # may overtake our own completions
-                        with table.lock:
-                            record.num_bytes = record.num_total * self._owner.layout.bytes_per_block
-                    table.finish(record, msg.state, msg.reason, msg.side, msg.detail)
+                with table.lock:  # may overtake our own completions
+                    record.num_bytes = record.num_total * self._owner.layout.bytes_per_block
+            elif record.posted and record.ready:
+                self.submit(("flush", record))
+            table.finish(record, msg.state, msg.reason, msg.side, msg.detail)
 
     def _teardown(self, reason: FailReason, detail: str, local: bool | None = None) -> None:
         owner = self._owner
         self.dead = True
         if local is None:
             local = owner._closed or self._closing.is_set()
+        self._records.clear()
         for record in owner.table.live():
             if record.link is not self:
                 continue
@@ -435,8 +436,9 @@ class ProducerLink:
             owner.table.finish(record, TransferState.FAILED, reason, Side.CONSUMER, detail)
             if not self._frames and reason is FailReason.TIMEOUT:
                 try:  # in frames mode the consumer learns it from the torn-down group
-                    self._fwd_push(wire.End(record.req_id, TransferState.FAILED, reason,
-                                            Side.CONSUMER, detail))
+                    if self._fwd is not None:
+                        self._fwd.push(self._fwd_key, wire.encode(wire.End(
+                            record.req_id, TransferState.FAILED, reason, Side.CONSUMER, detail)))
                 except ChannelError:
                     pass
         if not local:
@@ -446,4 +448,5 @@ class ProducerLink:
         owner._drop_link(self)
 
 
-_Part = tuple[list[tuple[int, int]], bool]  # ([(position, source block id)], direct)
+def _sizes(record: TransferRecord, first: int, count: int) -> list[int]:
+    return [seg.num_blocks for seg in record.segments[first:first + count]]

@@ -20,7 +20,10 @@ class TransferState(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset((TransferState.DONE, TransferState.FAILED, TransferState.ABORTED))
 
 
 class Side(enum.Enum):
@@ -89,25 +92,23 @@ class Location:
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    """Timeouts and pipelining knobs; the same on both sides of a pair."""
+    """Timeouts and message sizes; the same on both sides of a pair (the consumer's
+    ``part_bytes`` sets the segment size, see :mod:`kvtransfer.plan`; the producer's
+    ``checksum`` picks the announced path)."""
 
     stall_timeout_s: float = 10.0  # TRANSFERRING with no progress this long: FAILED
     start_timeout_s: float = 120.0  # PENDING this long (prefill never started): FAILED
     connect_timeout_s: float = 30.0  # building the pair's process group
-    part_bytes: int = 8 << 20  # a group is sent as parts of about this size
-    max_in_flight_parts: int = 4  # staging buffers per pair and direction
-    max_group_bytes: int = 4 << 30  # larger declared payloads are a protocol error
-    checksum: bool = False  # crc32 per part, checked before the write
-    # A run of consecutive blocks to consecutive slots goes pool-to-pool, one message per
-    # (layer, K|V), when each such message is at least this big (gloo pays per message).
-    direct_min_bytes: int = 128 << 10
+    part_bytes: int = 8 << 20  # one message carries at most this (one segment of slots)
+    max_in_flight_parts: int = 4  # sends a pair keeps in flight (and staging buffers)
+    checksum: bool = False  # crc32 per segment, checked before DONE (announced path)
 
     def __post_init__(self) -> None:
         for name in ("stall_timeout_s", "start_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
-        for name in ("part_bytes", "max_in_flight_parts", "max_group_bytes", "direct_min_bytes"):
+        for name in ("part_bytes", "max_in_flight_parts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
@@ -159,3 +160,4 @@ class TransferStats:
             "duration_s": self.duration_s,
             "end_time": self.end_time,
         }
+

@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
+from kvtransfer.plan import Segment
 from kvtransfer.state import (
     FailReason,
     Side,
@@ -36,6 +34,9 @@ class TransferRecord:
     block_ids: list[int]  # the consumer's slots, in prompt order
     present: frozenset[int]  # positions already valid at the consumer (never sent)
     num_total: int  # blocks that travel
+    tag: int = 0  # the channel tag of this transfer's segments (from the ticket)
+    segment_blocks: int = 1  # the consumer's segment size (from the ticket)
+    segments: list[Segment] = field(default_factory=list)  # the plan (kvtransfer.plan)
     created: float = field(default_factory=time.monotonic)
     state: TransferState = TransferState.PENDING
     reason: FailReason | None = None
@@ -48,8 +49,21 @@ class TransferRecord:
     num_bytes: int = 0
     started: float | None = None
     last_progress: float = field(default_factory=time.monotonic)
-    cursor: int = 0  # producer: next position push() will fill
-    done_positions: set[int] = field(default_factory=set)  # consumer: positions written
+    # producer
+    cursor: int = 0  # next position push() will fill
+    src: list[int] = field(default_factory=list)  # pushed source block ids, by position
+    num_issued: int = 0  # segments handed to the channel
+    ready: bool = False  # posted path: the consumer posted every receive
+    posted: bool = False  # posted path (else announced)
+    flushed: bool = False  # posted path: the consumer's last posted receive was released
+    confirming: bool = False  # the stall watchdog asked the sender to settle it
+    # consumer
+    num_landed: int = 0  # segments written into the slots
+    works: list[Any] | None = None  # posted path: one receive per segment, owned by the waiter
+    waiter: threading.Thread | None = None  # posted path: the thread that waits for them
+    # posted path: the terminal state to take once no receive is left posted
+    cancel: tuple[TransferState, FailReason | None, Side | None, str] | None = None
+    cancel_since: float = 0.0
     io_lock: threading.RLock = field(default_factory=threading.RLock)
 
     def mark_progress(self, num_blocks: int, num_bytes: int) -> None:
@@ -91,8 +105,7 @@ class TransferTable:
             self._records[record.req_id] = record
 
     def get(self, req_id: str) -> TransferRecord | None:
-        with self.lock:
-            return self._records.get(req_id)
+        return self._records.get(req_id)  # one dict read is atomic: no lock on the hot path
 
     def live(self) -> list[TransferRecord]:
         with self.lock:
@@ -102,6 +115,13 @@ class TransferTable:
         with self.lock:
             record = self._records.get(req_id)
             return None if record is None else record.status()
+
+    def mark_started(self, record: TransferRecord) -> None:
+        """PENDING -> TRANSFERRING (a terminal state is left alone)."""
+        with self.lock:
+            if record.state is TransferState.PENDING:
+                record.state = TransferState.TRANSFERRING
+                record.started = record.started or time.monotonic()
 
     def forget(self, req_id: str) -> TransferStatus | None:
         with self.lock:
@@ -120,16 +140,22 @@ class TransferTable:
         reason: FailReason | None = None,
         side: Side | None = None,
         detail: str = "",
+        *,
+        unless_ending: bool = False,
+        num_bytes: int = 0,
     ) -> bool:
-        """Move ``record`` to a terminal state; False when it already was terminal."""
+        """Move ``record`` to a terminal state; False when it already was terminal (or, with
+        ``unless_ending``, is being ended: ``record.cancel`` is set). ``num_bytes``: what a
+        DONE transfer moved in all, when the caller knows it better than the progress."""
         with record.io_lock, self.lock:
-            if record.state.is_terminal:
+            if record.state.is_terminal or (unless_ending and record.cancel is not None):
                 return False
-            record.state, record.reason, record.failed_side = state, reason, side
-            record.detail = detail
+            record.state = state
+            end_time, now = time.time(), time.monotonic()  # the moment it ended
+            record.reason, record.failed_side, record.detail = reason, side, detail
             if state is TransferState.DONE:
                 record.num_done = record.num_total
-            now = time.monotonic()
+                record.num_bytes = max(record.num_bytes, num_bytes)
             started = record.started if record.started is not None else now
             self._stats.append(
                 TransferStats(
@@ -138,13 +164,12 @@ class TransferTable:
                     topology=record.topology or TopologyClass.SAME_NODE,
                     backend=record.backend,
                     state=state,
-                    num_blocks=record.num_done if state is not TransferState.DONE
-                    else record.num_total,
+                    num_blocks=record.num_done,
                     num_skipped_blocks=len(record.present),
                     num_bytes=record.num_bytes,
                     queued_s=started - record.created,
                     duration_s=now - started,
-                    end_time=time.time(),
+                    end_time=end_time,
                 )
             )
             return True
@@ -156,16 +181,19 @@ class TransferTable:
             return out
 
     def overdue(self, config: TransferConfig) -> list[TransferRecord]:
+        """Live records past a deadline: no start, no progress, or (ending, receives still
+        posted) no release from the producer, each within its timeout."""
         now = time.monotonic()
         with self.lock:
             return [
                 r
                 for r in self._records.values()
-                if (r.state is TransferState.PENDING and now - r.created > config.start_timeout_s)
-                or (
-                    r.state is TransferState.TRANSFERRING
-                    and now - r.last_progress > config.stall_timeout_s
-                )
+                if not r.state.is_terminal and (
+                    (r.cancel is not None and now - r.cancel_since > config.stall_timeout_s)
+                    or (r.cancel is None and r.state is TransferState.PENDING
+                        and now - r.created > config.start_timeout_s)
+                    or (r.cancel is None and r.state is TransferState.TRANSFERRING
+                        and now - r.last_progress > config.stall_timeout_s))
             ]
 
 
@@ -206,42 +234,3 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((offset, block, 1))
     return runs
-
-
-def run_slices(kv: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, ...]:
-    """The pool's blocks ``first .. first + n - 1`` as one view per (layer, K|V), in pool
-    order: what a direct part sends and receives (three torch ops for all of them)."""
-    return kv.narrow(2, first, n).flatten(0, 1).unbind(0)
-
-
-def gather_blocks(kv: Any, block_ids: Sequence[int], out: Any) -> None:
-    """``out[:, :, i] = kv[:, :, block_ids[i]]`` as one slice copy per run of ids (several
-    times faster than index_select/index_copy_ on CPU for the usual runs). ``kv`` and ``out``
-    are both torch tensors or both numpy arrays (host views, see :mod:`kvtransfer.buffers`)."""
-    runs = block_runs(block_ids)
-    if len(runs) == 1:  # the usual case: one copy, one view
-        _copy(out, _blocks(kv, runs[0][1], runs[0][2]))
-        return
-    for off, first, n in runs:
-        _copy(_blocks(out, off, n), _blocks(kv, first, n))
-
-
-def scatter_blocks(kv: Any, block_ids: Sequence[int], data: Any) -> None:
-    """``kv[:, :, block_ids[i]] = data[:, :, i]``, one slice copy per run of ids."""
-    runs = block_runs(block_ids)
-    if len(runs) == 1:
-        _copy(_blocks(kv, runs[0][1], runs[0][2]), data)
-        return
-    for off, first, n in runs:
-        _copy(_blocks(kv, first, n), _blocks(data, off, n))
-
-
-def _blocks(t: Any, first: int, n: int) -> Any:
-    return t[:, :, first:first + n] if isinstance(t, np.ndarray) else t.narrow(2, first, n)
-
-
-def _copy(dst: Any, src: Any) -> None:
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)

@@ -1,19 +1,21 @@
 """Control messages between the two ends of a pair, as msgpack (nothing is unpickled).
 
-Queues on the consumer's rendezvous store (see :mod:`kvtransfer.backend`)::
+Where they travel::
 
-    accept            producer ──Hello──▶ consumer      one per new pair
-    <pair>/fwd        producer ──Open | Blocks | End | Bye──▶ consumer
-    <pair>/rev        consumer ──End | Bye──▶ producer
+    accept (consumer's store queue)   producer ──Hello──▶ consumer     one per new pair
+    fwd (frames on the pair's group,  producer ──Open | Blocks | End | Bye──▶ consumer
+         or the producer's store queue when the channel cannot keep a receive posted)
+    rev (consumer's store queue)      consumer ──Ready | End | Bye──▶ producer
 
-A ``Blocks`` header is followed on the pair's process group by one tensor message per part
-(``parts[i]`` blocks each, shape ``[layers, 2, parts[i], *block_shape]``). Decoding checks
+Tensor messages carry no metadata: every segment (see :mod:`kvtransfer.plan`) is one message
+on the transfer's own tag, whose size and destination both sides know from the ticket. The
+``Open`` carries the metadata the consumer checks against the reservation before it posts a
+single receive; ``Blocks`` (announced path only) says which segments follow. Decoding checks
 every field's type; anything else is a :class:`ProtocolError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,38 +42,45 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Open:
+    """The producer takes a ticket: what it will send, checked before any receive is posted."""
+
     req: str
-    num_blocks: int  # blocks the producer will send (prefix hits excluded)
+    tag: int  # the ticket's tag: every segment of this transfer travels with it
+    digest: int  # plan.ticket_digest of the block ids and present positions it holds
+    num_blocks: int  # blocks it will send (prefix hits excluded)
+    num_segments: int
+    segment_blocks: int
+    layers: list[int]  # [first, last + 1]
+    dtype: str
+    block_shape: list[int]  # [block_size, num_kv_heads, head_dim]
+    posted: bool  # True: the consumer posts every receive now and answers Ready;
+    # False (announced): a Blocks message precedes each batch of segments
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Posted path: every segment's receive is posted; the producer may send."""
+
+    req: str
 
 
 @dataclass(frozen=True, slots=True)
 class Blocks:
-    req: str
-    positions: list[int]  # indices into the ticket's block_ids
-    dst: list[int]  # the consumer's block ids at those positions
-    layers: list[int]  # [first, last + 1]
-    dtype: str
-    block_shape: list[int]  # [block_size, num_kv_heads, head_dim]
-    parts: list[int]  # blocks per part, in order; sum == len(dst)
-    nbytes: int  # whole payload
-    crc: list[int] | None  # crc32 per part, or None
-    # 1 per part sent "direct": a run of consecutive source blocks to a run of consecutive
-    # slots, as one message per (layer, K|V) straight from pool to pool (no staging copy);
-    # 0: staged, one contiguous message [layers, 2, n, *block_shape] (part 0 in the frame)
-    direct: list[int] = dataclasses.field(default_factory=list)
+    """Announced path: segments ``first, first + 1, ...`` follow on ``tag``, in order (their
+    sizes are given so that a consumer that does not serve the transfer can drain them)."""
 
-    @property
-    def part_offsets(self) -> list[int]:
-        out, at = [], 0
-        for n in self.parts:
-            out.append(at)
-            at += n
-        return out
+    req: str
+    tag: int
+    first: int
+    sizes: list[int]  # blocks per segment
+    crc: list[int] | None  # crc32 per segment, or None
 
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """A transfer ended on the sender's side; the receiver mirrors the state."""
+    """A transfer ended on the sender's side; the receiver mirrors the state. From the
+    consumer, a failed or aborted End also asks the producer to release the receive the
+    consumer still has posted (one empty message on the tag, see consumer_link)."""
 
     req: str
     state: TransferState
@@ -85,7 +94,7 @@ class Bye:
     """The sender is closing this pair (graceful teardown)."""
 
 
-Message = Hello | Open | Blocks | End | Bye
+Message = Hello | Open | Ready | Blocks | End | Bye
 
 
 def encode(msg: Message) -> bytes:
@@ -95,13 +104,17 @@ def encode(msg: Message) -> bytes:
             "server": msg.server, "location": msg.location, "layout": msg.layout,
         }
     elif isinstance(msg, Open):
-        body = {"t": "open", "req": msg.req, "num_blocks": msg.num_blocks}
-    elif isinstance(msg, Blocks):
         body = {
-            "t": "blocks", "req": msg.req, "positions": msg.positions, "dst": msg.dst,
-            "layers": msg.layers, "dtype": msg.dtype, "block_shape": msg.block_shape,
-            "parts": msg.parts, "nbytes": msg.nbytes, "crc": msg.crc, "direct": msg.direct,
+            "t": "open", "req": msg.req, "tag": msg.tag, "digest": msg.digest,
+            "num_blocks": msg.num_blocks, "num_segments": msg.num_segments,
+            "segment_blocks": msg.segment_blocks, "layers": msg.layers, "dtype": msg.dtype,
+            "block_shape": msg.block_shape, "posted": msg.posted,
         }
+    elif isinstance(msg, Ready):
+        body = {"t": "ready", "req": msg.req}
+    elif isinstance(msg, Blocks):
+        body = {"t": "blocks", "req": msg.req, "tag": msg.tag, "first": msg.first,
+                "sizes": msg.sizes, "crc": msg.crc}
     elif isinstance(msg, End):
         body = {
             "t": "end", "req": msg.req, "state": msg.state.value,
@@ -119,9 +132,7 @@ def decode(raw: bytes) -> Message:
     if not isinstance(raw, (bytes, bytearray)) or len(raw) > MAX_MESSAGE_BYTES:
         raise ProtocolError("message is not bytes or is too large")
     try:
-        body = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True
-        )
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {exc}") from None
     if not isinstance(body, dict):
@@ -133,16 +144,21 @@ def decode(raw: bytes) -> Message:
             server=_map(body, "server"), location=_map(body, "location"), layout=_map(body, "layout"),
         )
     if kind == "open":
-        return Open(req=_str(body, "req"), num_blocks=_int(body, "num_blocks"))
+        posted = body.get("posted")
+        if not isinstance(posted, bool):
+            raise ProtocolError("field 'posted' must be a bool")
+        return Open(
+            req=_str(body, "req"), tag=_int(body, "tag"), digest=_int(body, "digest"),
+            num_blocks=_int(body, "num_blocks"), num_segments=_int(body, "num_segments"),
+            segment_blocks=_int(body, "segment_blocks"), layers=_ints(body, "layers"),
+            dtype=_str(body, "dtype"), block_shape=_ints(body, "block_shape"), posted=posted,
+        )
+    if kind == "ready":
+        return Ready(req=_str(body, "req"))
     if kind == "blocks":
         crc = body.get("crc")
-        return Blocks(
-            req=_str(body, "req"), positions=_ints(body, "positions"), dst=_ints(body, "dst"),
-            layers=_ints(body, "layers"), dtype=_str(body, "dtype"),
-            block_shape=_ints(body, "block_shape"), parts=_ints(body, "parts"),
-            nbytes=_int(body, "nbytes"), crc=None if crc is None else _ints(body, "crc"),
-            direct=_ints(body, "direct"),
-        )
+        return Blocks(req=_str(body, "req"), tag=_int(body, "tag"), first=_int(body, "first"),
+                      sizes=_ints(body, "sizes"), crc=None if crc is None else _ints(body, "crc"))
     if kind == "end":
         try:
             state = TransferState(body.get("state"))
@@ -189,39 +205,26 @@ def _map(body: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-# -- frames: a message and the first part of its payload in one tensor message --------------
-# Backends whose receiver can keep a receive posted while idle (gloo, mock) carry the fwd
-# messages as frames on the process group instead of the store queue: the consumer keeps a
-# frame receive posted, so a one-block group costs one message. Layout (uint8):
-#     [0:4] msgpack length, little endian | [4:4+len] msgpack | [FRAME_HEADER_BYTES:] part 0
-FRAME_HEADER_BYTES = 16384
-MAX_BLOCKS_PER_MESSAGE = 960  # keeps a Blocks header inside FRAME_HEADER_BYTES
+# -- frames: fwd messages as tensor messages on the pair's group ------------------------------
+# Channels whose receiver can keep a receive posted while idle (gloo, mock) carry the fwd
+# messages as frames on FRAME_TAG: the consumer keeps one frame receive posted, so a message
+# costs one tensor message and no store round trip. Layout (uint8, FRAME_BYTES):
+#     [0:4] msgpack length, little endian | [4:4+len] msgpack
+FRAME_BYTES = 8192
+MAX_SEGMENTS_PER_BLOCKS = 512  # keeps a Blocks message with checksums inside a frame
 
 
-def write_frame_header(msg: Message, frame: Any) -> None:
-    """Put ``msg`` at the head of ``frame``: a writable byte view (a host slab's ``header``,
-    no torch op) or a uint8 tensor of at least FRAME_HEADER_BYTES."""
+def write_frame(msg: Message, frame: memoryview) -> None:
+    """Put ``msg`` into ``frame``, a writable byte view of a FRAME_BYTES buffer."""
     body = encode(msg)
-    if len(body) + 4 > FRAME_HEADER_BYTES:
-        raise ValueError(f"message of {len(body)} bytes does not fit a frame header")
-    head = len(body).to_bytes(4, "little") + body
-    if isinstance(frame, memoryview):
-        frame[: len(head)] = head
-    else:
-        frame[: len(head)].copy_(_byte_tensor(head))
+    if len(body) + 4 > FRAME_BYTES:
+        raise ValueError(f"message of {len(body)} bytes does not fit a frame")
+    frame[: 4 + len(body)] = len(body).to_bytes(4, "little") + body
 
 
-def read_frame_header(frame: Any) -> Message:
-    """The message at the head of ``frame`` (a byte view or a uint8 tensor)."""
-    if not isinstance(frame, memoryview):
-        frame = memoryview(frame[:FRAME_HEADER_BYTES].cpu().numpy())
+def read_frame(frame: memoryview) -> Message:
+    """The message in ``frame`` (a byte view of a received FRAME_BYTES buffer)."""
     length = int.from_bytes(frame[:4], "little")
-    if length > FRAME_HEADER_BYTES - 4:
-        raise ProtocolError(f"frame header length {length} out of range")
+    if length > FRAME_BYTES - 4:
+        raise ProtocolError(f"frame length {length} out of range")
     return decode(bytes(frame[4 : 4 + length]))
-
-
-def _byte_tensor(data: bytes) -> Any:
-    import torch
-
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -120,12 +120,13 @@ def test_read_write_round_trip_and_layout() -> None:
         2, 2, 4, 4,
     )
     assert layout.dtype == torch.bfloat16 and layout.device.type == "cpu"
-    assert pool.kv_tensor().shape == (2, 2, 6, 4, 2, 4)
-    data = torch.randn(2, 2, 3, 4, 2, 4).to(torch.bfloat16)
+    assert pool.kv_tensor().shape == (6, 2, 2, 4, 2, 4)  # block-major: a block is kv[id]
+    assert pool.kv_tensor()[1].is_contiguous()
+    data = torch.randn(3, 2, 2, 4, 2, 4).to(torch.bfloat16)
     pool.write_blocks([4, 1, 2], data)
     assert torch.equal(pool.read_blocks([4, 1, 2]), data)
-    assert torch.equal(pool.kv_tensor()[:, :, 1], data[:, :, 1])
-    assert torch.equal(pool.read_blocks([2]), data[:, :, 2:3])
+    assert torch.equal(pool.kv_tensor()[1], data[1])
+    assert torch.equal(pool.read_blocks([2]), data[2:3])
     with pytest.raises(ValueError, match="shape"):
         pool.write_blocks([0], data)
     with pytest.raises(ValueError, match="out of range"):

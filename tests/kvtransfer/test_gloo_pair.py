@@ -61,7 +61,7 @@ def src_blocks(producer: KVProducer, ids: list[int]) -> np.ndarray:
 
 def dst_blocks(peer: PeerProcess, ids: list[int]) -> np.ndarray:
     raw = peer.call("read", block_ids=ids)["data"]
-    return np.frombuffer(raw, dtype=np.float32).reshape(2, 2, len(ids), 4, 2, 8)
+    return np.frombuffer(raw, dtype=np.float32).reshape(len(ids), 2, 2, 4, 2, 8)
 
 
 def peer_wait(peer: PeerProcess, req_id: str) -> dict:
@@ -141,21 +141,15 @@ def test_checksummed_transfer_arrives_intact(consumer_peer, producer):
         checked.close()
 
 
-def test_long_runs_go_pool_to_pool_per_layer(consumer_peer, producer):
-    direct = KVProducer(SOURCE, location=Location("node-0", "cpu"),
-                        config=TransferConfig(**{**CONFIG, "checksum": False,
-                                                 "direct_min_bytes": 1}),
-                        backend=DistBackend())
-    try:
-        slots = [50, 51, 52, 53, 60, 58]
-        ticket = consumer_peer.call("expect", req_id="r-direct", block_ids=slots)["ticket"]
-        direct.begin(ticket)
-        direct.push("r-direct", [30, 31, 32, 33, 12, 14])
-        assert wait_terminal(direct, "r-direct", WAIT).state is TransferState.DONE
-        np.testing.assert_array_equal(dst_blocks(consumer_peer, slots),
-                                      src_blocks(producer, [30, 31, 32, 33, 12, 14]))
-    finally:
-        direct.close()
+def test_runs_go_pool_to_pool_and_scattered_sources_are_staged(consumer_peer, producer):
+    slots = [50, 51, 52, 53, 60, 58]  # segments [50, 51] [52, 53] [60] [58]
+    ticket = consumer_peer.call("expect", req_id="r-runs", block_ids=slots)["ticket"]
+    producer.begin(ticket)
+    producer.push("r-runs", [30, 31, 33, 32, 12, 14])  # a run, a reversed pair, singles
+    assert wait_terminal(producer, "r-runs", WAIT).state is TransferState.DONE
+    assert peer_wait(consumer_peer, "r-runs")["state"] == "done"
+    np.testing.assert_array_equal(dst_blocks(consumer_peer, slots),
+                                  src_blocks(producer, [30, 31, 33, 32, 12, 14]))
 
 
 def test_dtype_not_matching_the_reservation_is_refused(consumer_peer):
@@ -185,7 +179,8 @@ def test_consumer_abort_reaches_the_producer(consumer_peer, producer):
     status = wait_terminal(producer, "r-abort", WAIT)
     assert (status.state, status.failed_side) == (TransferState.ABORTED, Side.CONSUMER)
     producer.push("r-abort", [3, 4])  # the prefill side may still finish: ignored, no error
-    assert consumer_peer.call("poll", req_id="r-abort")["status"]["state"] == "aborted"
+    assert peer_wait(consumer_peer, "r-abort")["state"] == "aborted"
+    assert not dst_blocks(consumer_peer, [34, 35]).any()
 
 
 def test_producer_abort_reaches_the_consumer(consumer_peer, producer):
@@ -200,7 +195,7 @@ def test_producer_abort_reaches_the_consumer(consumer_peer, producer):
 def test_stalled_producer_fails_on_both_sides(consumer_peer, producer):
     ticket = consumer_peer.call("expect", req_id="r-stall", block_ids=[38, 39, 40])["ticket"]
     producer.begin(ticket)
-    producer.push("r-stall", [5])  # then the prefill never finishes
+    producer.push("r-stall", [5, 6])  # the first segment, then the prefill never finishes
     remote = peer_wait(consumer_peer, "r-stall")
     assert (remote["state"], remote["reason"], remote["side"]) == ("failed", "timeout", "producer")
     status = wait_terminal(producer, "r-stall", WAIT)
@@ -208,7 +203,10 @@ def test_stalled_producer_fails_on_both_sides(consumer_peer, producer):
         TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER)
 
 
-def test_frozen_consumer_fails_the_producer_then_the_pair_reopens(consumer_peer, producer):
+def test_frozen_consumer_both_sides_agree_then_the_next_transfer_works(consumer_peer, producer):
+    """A consumer stopped mid-transfer: the producer ends within its timeouts (DONE when its
+    sends completed into the socket buffers, FAILED when the consumer never took them), and
+    the consumer, once it runs again, ends the same way."""
     ticket = consumer_peer.call("expect", req_id="r-frozen", block_ids=[41, 42, 43, 44])["ticket"]
     producer.begin(ticket)
     consumer_peer.freeze()
@@ -217,15 +215,75 @@ def test_frozen_consumer_fails_the_producer_then_the_pair_reopens(consumer_peer,
         status = wait_terminal(producer, "r-frozen", WAIT)
     finally:
         consumer_peer.thaw()
-    assert (status.state, status.reason, status.failed_side) == (
-        TransferState.FAILED, FailReason.TIMEOUT, Side.CONSUMER)
-    assert peer_wait(consumer_peer, "r-frozen")["state"] == "failed"
-    # The broken group was torn down; the next transfer opens a fresh one.
+    assert status.state.is_terminal
+    remote = peer_wait(consumer_peer, "r-frozen")
+    assert remote["state"] == status.state.value
+    if status.state is TransferState.DONE:
+        np.testing.assert_array_equal(dst_blocks(consumer_peer, [41, 42, 43, 44]),
+                                      src_blocks(producer, [1, 2, 3, 4]))
     ticket = consumer_peer.call("expect", req_id="r-after", block_ids=[45, 46])["ticket"]
     producer.begin(ticket)
     producer.push("r-after", [6, 7])
     assert wait_terminal(producer, "r-after", WAIT).state is TransferState.DONE
     np.testing.assert_array_equal(dst_blocks(consumer_peer, [45, 46]), src_blocks(producer, [6, 7]))
+
+
+BIG = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128, "block_size": 16,
+       "dtype": "float32"}  # 512 KiB blocks: 48 of them outgrow any socket buffer
+
+
+def test_frozen_consumer_that_cannot_take_the_blocks_fails_both_sides_and_the_pair():
+    peer = PeerProcess("consumer", BIG, 50, config=CONFIG)
+    producer = KVProducer(seeded_store(make_layout(BIG), 50, seed=4),
+                          location=Location("node-0", "cpu"),
+                          config=TransferConfig(**{**CONFIG, "checksum": False}),
+                          backend=DistBackend())
+    try:
+        ticket = peer.call("expect", req_id="r-big", block_ids=list(range(1, 49)))["ticket"]
+        producer.begin(ticket)
+        time.sleep(1.0)  # Open, Ready
+        peer.freeze()
+        try:
+            producer.push("r-big", list(range(1, 49)))
+            status = wait_terminal(producer, "r-big", WAIT)
+        finally:
+            peer.thaw()
+        assert (status.state, status.reason, status.failed_side) == (
+            TransferState.FAILED, FailReason.TIMEOUT, Side.CONSUMER)
+        assert peer_wait(peer, "r-big")["state"] == "failed"
+        assert producer.peers() == []  # the pair was torn down
+    finally:
+        producer.close()
+        peer.close()
+
+
+def test_a_cancel_the_producer_never_releases_closes_the_pair():
+    """The consumer aborts while the producer process is stopped: the posted receive waits
+    for the producer's release, then, past the stall timeout, the pair is closed."""
+    layout = make_layout(LAYOUT)
+    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=Location("node-0", "cpu"),
+                          config=TransferConfig(**CONFIG), backend=DistBackend())
+    peer = PeerProcess("producer", LAYOUT, 16, seed=2, config={**CONFIG, "checksum": False})
+    try:
+        ticket = consumer.expect("r-hold", [1, 2, 3, 4])
+        peer.call("begin", ticket=ticket)
+        peer.call("push", req_id="r-hold", block_ids=[5, 6])
+        assert _wait_local_done_blocks(consumer, "r-hold", 2).num_blocks_done == 2
+        peer.freeze()
+        try:
+            started = time.monotonic()
+            assert consumer.abort("r-hold")
+            assert not consumer.poll("r-hold").state.is_terminal  # a receive is still posted
+            status = wait_terminal(consumer, "r-hold", WAIT)
+            elapsed = time.monotonic() - started
+        finally:
+            peer.thaw()
+        assert status.state is TransferState.ABORTED
+        assert elapsed >= CONFIG["stall_timeout_s"] * 0.8
+        assert consumer.peers() == []
+    finally:
+        consumer.close()
+        peer.kill()
 
 
 def test_consumer_death_mid_transfer_fails_the_producer():

@@ -3,6 +3,8 @@ over torch.distributed, for the layers above (worker actors) to test against."""
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -257,20 +259,66 @@ def test_one_producer_serves_many_consumers():
             consumer.close()
 
 
-def test_runs_of_consecutive_blocks_go_pool_to_pool():
-    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=2 * LAYOUT.bytes_per_block,
-                         direct_min_bytes=1)
+def test_segments_arrive_whatever_the_sources_and_slots():
+    """Slots cut into segments (runs of consecutive slots, at most part_bytes); each segment
+    goes from the source pool when its sources are consecutive too, else staged."""
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=3 * LAYOUT.bytes_per_block)
     src, dst, consumer, producer = make_pair(cfg)
     try:
-        # positions 0..3 are a run on both sides (direct), then scattered slots (staged)
-        ticket = consumer.expect("d1", [10, 11, 12, 13, 3, 8, 5, 6])
+        slots = [10, 11, 12, 13, 3, 8, 5, 6]  # segments [10-12] [13] [3] [8] [5, 6]
+        ticket = consumer.expect("d1", slots)
+        assert ticket["segment_blocks"] == 3
         producer.begin(ticket)
-        producer.push("d1", [20, 21, 22, 23, 1, 2])
-        producer.push("d1", [7, 9])
+        producer.push("d1", [20, 21, 22, 23, 1, 2])  # a run of sources, then scattered ones
+        producer.push("d1", [9, 7])  # the last segment's sources are in reverse order
         assert wait_terminal(producer, "d1", WAIT).state is TransferState.DONE
-        assert torch.equal(dst.read_blocks([10, 11, 12, 13, 3, 8, 5, 6]),
-                           src.read_blocks([20, 21, 22, 23, 1, 2, 7, 9]))
+        assert wait_terminal(consumer, "d1", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks(slots), src.read_blocks([20, 21, 22, 23, 1, 2, 9, 7]))
         assert not dst.read_blocks([0, 1, 2, 4, 7, 9]).any()
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_segment_waits_for_its_last_block():
+    src, dst, consumer, producer = make_pair()  # two blocks per segment
+    producer.begin(consumer.expect("w1", [1, 2, 3]))
+    producer.push("w1", [4])
+    time.sleep(0.2)
+    assert consumer.poll("w1").num_blocks_done == 0  # segment [1, 2] is not complete
+    producer.push("w1", [5])
+    assert _wait_done(consumer, "w1", 2)
+    producer.push("w1", [6])
+    assert wait_terminal(consumer, "w1", WAIT).state is TransferState.DONE
+    assert torch.equal(dst.read_blocks([1, 2, 3]), src.read_blocks([4, 5, 6]))
+    producer.close()
+    consumer.close()
+
+
+def test_consumer_abort_of_a_posted_transfer_ends_once_its_receives_are_released(pair):
+    src, dst, consumer, producer = pair
+    producer.begin(consumer.expect("c1", [1, 2, 3, 4]))
+    producer.push("c1", [5, 6])  # the first segment lands
+    assert _wait_done(consumer, "c1", 2)
+    assert consumer.abort("c1")
+    assert not consumer.abort("c1")  # already ending
+    status = wait_terminal(consumer, "c1", WAIT)  # the producer released the posted receive
+    assert (status.state, status.failed_side) == (TransferState.ABORTED, Side.CONSUMER)
+    assert wait_terminal(producer, "c1", WAIT).state is TransferState.ABORTED
+    producer.push("c1", [7, 8])  # the prefill side finishes anyway: nothing is sent
+    time.sleep(0.2)
+    assert not dst.read_blocks([3, 4]).any()
+    # the pair goes on serving others
+    producer.begin(consumer.expect("c2", [9]))
+    producer.push("c2", [10])
+    assert wait_terminal(consumer, "c2", WAIT).state is TransferState.DONE
+
+
+def _wait_done(endpoint, req_id: str, n: int) -> bool:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        status = endpoint.poll(req_id)
+        if status is not None and status.num_blocks_done >= n:
+            return True
+        time.sleep(0.005)
+    return False

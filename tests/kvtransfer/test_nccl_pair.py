@@ -24,10 +24,10 @@ def nccl_pair():
     if torch.cuda.device_count() < 2:
         pytest.skip("the NCCL pair test needs two CUDA devices")
     peer = PeerProcess("consumer", {**LAYOUT, "device": "cuda:1"}, 64,
-                       config={"stall_timeout_s": 20.0, "direct_min_bytes": 4096})
+                       config={"stall_timeout_s": 20.0})
     source = seeded_store(make_layout({**LAYOUT, "device": "cuda:0"}), 64, seed=5)
     producer = KVProducer(source, location=Location("node-0", "cuda:0", "nvl-0"),
-                          config=TransferConfig(stall_timeout_s=20.0, direct_min_bytes=4096),
+                          config=TransferConfig(stall_timeout_s=20.0),
                           backend=DistBackend())
     yield peer, source, producer
     producer.close()
@@ -36,17 +36,17 @@ def nccl_pair():
 
 def test_blocks_stream_over_nccl(nccl_pair):
     peer, source, producer = nccl_pair
-    slots = [3, 4, 5, 6, 20, 9, 11]  # a run (direct) and scattered slots (staged)
+    slots = [3, 4, 5, 6, 20, 9, 11]  # a run of slots and scattered ones
     ticket = peer.call("expect", req_id="g1", block_ids=slots, present=[0])["ticket"]
     producer.begin(ticket)
-    producer.push("g1", [40, 41, 42, 43])
+    producer.push("g1", [40, 41, 43, 42])  # sources: a run (from the pool) and not (staged)
     producer.push("g1", [7, 8, 1])
     status = wait_terminal(producer, "g1", 60)
     assert status.state is TransferState.DONE
     assert producer.drain_stats()[0].backend == "nccl"
     raw = peer.call("read", block_ids=slots[1:])["data"]
-    got = np.frombuffer(raw, dtype=np.float32).reshape(4, 2, 6, 16, 2, 64)
-    want = source.read_blocks([41, 42, 43, 7, 8, 1]).float().cpu().numpy()
+    got = np.frombuffer(raw, dtype=np.float32).reshape(6, 4, 2, 16, 2, 64)
+    want = source.read_blocks([41, 43, 42, 7, 8, 1]).float().cpu().numpy()
     np.testing.assert_array_equal(got, want)
 
 

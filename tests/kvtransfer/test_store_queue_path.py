@@ -1,6 +1,7 @@
-"""The store-queue path (headers through the TCPStore, every part through the group), which
-NCCL uses because a posted receive would occupy its GPU; exercised here over gloo with
-``DistBackend(frames=False)`` on both ends."""
+"""The announced path with its headers through the store queue (every segment through the
+group, its receive posted when its Blocks header is read), which NCCL uses because a posted
+receive would occupy its GPU; exercised here over gloo with ``DistBackend(frames=False)`` on
+both ends."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ torch.set_num_threads(1)
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
-CONFIG = {"stall_timeout_s": 2.0, "start_timeout_s": 15.0, "part_bytes": 2 * BLOCK_BYTES,
-          "direct_min_bytes": 4 * 2 * 8 * 4 * 3}  # runs of 3+ blocks go direct
+CONFIG = {"stall_timeout_s": 2.0, "start_timeout_s": 15.0, "part_bytes": 2 * BLOCK_BYTES}
 SOURCE = seeded_store(make_layout(LAYOUT), 32, seed=11)
 
 
@@ -34,11 +34,11 @@ def endpoints():
 
 def received(peer: PeerProcess, ids: list[int]) -> np.ndarray:
     raw = peer.call("read", block_ids=ids)["data"]
-    return np.frombuffer(raw, dtype=np.float32).reshape(2, 2, len(ids), 4, 2, 8)
+    return np.frombuffer(raw, dtype=np.float32).reshape(len(ids), 2, 2, 4, 2, 8)
 
 
 @pytest.mark.parametrize("checksum", [False, True])
-def test_staged_and_direct_parts_through_store_headers(endpoints, checksum):
+def test_segments_through_store_headers(endpoints, checksum):
     peer, producer = endpoints
     endpoint = producer
     if checksum:
@@ -50,11 +50,11 @@ def test_staged_and_direct_parts_through_store_headers(endpoints, checksum):
         slots = [1, 2, 3, 4, 9, 7, 12] if not checksum else [13, 14, 15, 16, 20, 18, 22]
         ticket = peer.call("expect", req_id=req, block_ids=slots, present=[6])["ticket"]
         endpoint.begin(ticket)
-        endpoint.push(req, [20, 21, 22, 23])
+        endpoint.push(req, [20, 21, 23, 22])  # a run from the pool, a reversed pair staged
         endpoint.push(req, [5, 6, 0])
         assert wait_terminal(endpoint, req, 30).state is TransferState.DONE
         np.testing.assert_array_equal(received(peer, slots[:6]),
-                                      SOURCE.read_blocks([20, 21, 22, 23, 5, 6]).numpy())
+                                      SOURCE.read_blocks([20, 21, 23, 22, 5, 6]).numpy())
         assert not received(peer, slots[6:]).any()
     finally:
         if endpoint is not producer:

@@ -1,4 +1,5 @@
-"""Metadata on the wire (msgpack only), block layout, topology classes, configuration."""
+"""Metadata on the wire (msgpack only), the block-major layout, the segment plan, topology
+classes, configuration."""
 
 from __future__ import annotations
 
@@ -7,29 +8,33 @@ import pytest
 import torch
 
 from kvtransfer import KVLayout, Location, TensorKVStore, TopologyClass, TransferConfig, wire
+from kvtransfer.buffers import Frame
+from kvtransfer.plan import plan_segments, segment_blocks_for, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferState
-from kvtransfer.transfers import block_runs, gather_blocks, scatter_blocks
+from kvtransfer.transfers import block_runs
 
 torch.set_num_threads(1)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.bfloat16,
                   device=torch.device("cpu"))
+OPEN = wire.Open("r", 17, 2**63 + 5, 3, 2, 2, [0, 2], "bfloat16", [2, 1, 4], True)
 
 
 @pytest.mark.parametrize("msg", [
     wire.Hello("p-1", "prod", {"host": "h", "port": 1}, {"node_id": "n"}, LAYOUT.to_wire()),
-    wire.Open("r", 3),
-    wire.Blocks("r", [0, 2], [5, 9], [0, 2], "bfloat16", [2, 1, 4], [1, 1], 64, [1, 2]),
-    wire.Blocks("r", [1], [4], [0, 2], "bfloat16", [2, 1, 4], [1], 32, None),
+    OPEN,
+    wire.Ready("r"),
+    wire.Blocks("r", 17, 0, [2, 1], [1, 2**32 - 1]),
+    wire.Blocks("r", 17, 1, [1], None),
     wire.End("r", TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER, "stalled"),
     wire.End("r", TransferState.DONE),
     wire.Bye(),
 ])
 def test_messages_round_trip(msg):
     assert wire.decode(wire.encode(msg)) == msg
-    frame = torch.zeros(wire.FRAME_HEADER_BYTES + 8, dtype=torch.uint8)
-    wire.write_frame_header(msg, frame)
-    assert wire.read_frame_header(frame) == msg
+    frame = Frame()
+    wire.write_frame(msg, frame.view)
+    assert wire.read_frame(frame.view) == msg
 
 
 @pytest.mark.parametrize("raw", [
@@ -37,8 +42,10 @@ def test_messages_round_trip(msg):
     msgpack.packb([1, 2]),
     msgpack.packb({"t": "pickle", "data": b"cos\nsystem"}),
     msgpack.packb({"t": "open", "req": 1, "num_blocks": 2}),
-    msgpack.packb({"t": "blocks", "req": "r", "positions": [-1], "dst": [1], "layers": [0, 1],
-                   "dtype": "bfloat16", "block_shape": [1, 1, 1], "parts": [1], "nbytes": 4}),
+    msgpack.packb({**msgpack.unpackb(wire.encode(OPEN)), "posted": 1}),
+    msgpack.packb({**msgpack.unpackb(wire.encode(OPEN)), "tag": -3}),
+    msgpack.packb({"t": "blocks", "req": "r", "tag": 17, "first": 0, "sizes": [-1], "crc": None}),
+    msgpack.packb({"t": "ready"}),
     msgpack.packb({"t": "end", "req": "r", "state": "transferring"}),
     msgpack.packb({"t": "end", "req": "r", "state": "failed", "reason": "gremlins"}),
 ])
@@ -47,23 +54,25 @@ def test_malformed_messages_are_protocol_errors(raw):
         wire.decode(raw)
 
 
-def test_oversized_frame_header_is_refused():
-    frame = torch.zeros(wire.FRAME_HEADER_BYTES, dtype=torch.uint8)
-    frame[:4] = torch.tensor(list((10**6).to_bytes(4, "little")), dtype=torch.uint8)
+def test_oversized_frame_length_is_refused():
+    frame = Frame()
+    frame.view[:4] = (10**6).to_bytes(4, "little")
     with pytest.raises(wire.ProtocolError):
-        wire.read_frame_header(frame)
+        wire.read_frame(frame.view)
 
 
-def test_largest_blocks_header_fits_a_frame():
-    n = wire.MAX_BLOCKS_PER_MESSAGE
-    big = wire.Blocks("r" * 64, list(range(10**6, 10**6 + n)), list(range(2**31, 2**31 + n)),
-                      [0, 80], "bfloat16", [16, 8, 128], [1] * n, 10**12, [2**32 - 1] * n)
-    wire.write_frame_header(big, torch.zeros(wire.FRAME_HEADER_BYTES, dtype=torch.uint8))
+def test_largest_blocks_message_fits_a_frame():
+    n = wire.MAX_SEGMENTS_PER_BLOCKS
+    big = wire.Blocks("r" * 64, 2**31 - 1, 10**6, [2**16] * n, [2**32 - 1] * n)
+    wire.write_frame(big, Frame().view)
 
 
-def test_layout_sizes_and_wire_form():
+def test_layout_is_block_major():
     assert LAYOUT.bytes_per_block == 2 * 2 * 2 * 1 * 4 * 2
-    assert LAYOUT.group_shape(3) == (2, 2, 3, 2, 1, 4)
+    assert LAYOUT.group_shape(3) == (3, 2, 2, 2, 1, 4)
+    store = TensorKVStore(LAYOUT, 5, fill="random")
+    assert store.kv_tensor()[2].is_contiguous() and store.kv_tensor()[1:4].is_contiguous()
+    assert torch.equal(store.read_blocks([3, 1]), store.kv_tensor()[[3, 1]])
     assert LAYOUT.matches_wire(msgpack.unpackb(msgpack.packb(LAYOUT.to_wire())))
     assert not LAYOUT.matches_wire({**LAYOUT.to_wire(), "dtype": "float32"})
     with pytest.raises(ValueError):
@@ -72,17 +81,32 @@ def test_layout_sizes_and_wire_form():
         KVLayout(1, 1, 1, 1, torch.complex64, torch.device("cpu"))
 
 
-def test_run_copies_match_index_select():
-    store = TensorKVStore(LAYOUT, 12, fill="random")
-    ids = [3, 4, 5, 9, 1, 2, 11]
-    assert block_runs(ids) == [(0, 3, 3), (3, 9, 1), (4, 1, 2), (6, 11, 1)]
-    out = torch.empty(LAYOUT.group_shape(len(ids)), dtype=LAYOUT.dtype)
-    gather_blocks(store.kv_tensor(), ids, out)
-    assert torch.equal(out, store.read_blocks(ids))
-    target = TensorKVStore(LAYOUT, 12)
-    scatter_blocks(target.kv_tensor(), ids, out)
-    assert torch.equal(target.read_blocks(ids), out)
-    assert not target.read_blocks([0, 6, 7, 8, 10]).any()
+def test_segments_are_runs_of_consecutive_slots_capped_in_size():
+    # positions 0-1 present; 2..5 -> slots 10..13 (a run, cut at 3), 6 -> 20, 7 -> 21 ... 8 -> 5
+    segments = plan_segments([7, 8, 10, 11, 12, 13, 20, 21, 5], [0, 1], 3)
+    assert [(s.positions, s.first_slot) for s in segments] == [
+        ((2, 3, 4), 10), ((5,), 13), ((6, 7), 20), ((8,), 5)]
+    assert [s.index for s in segments] == [0, 1, 2, 3]
+    assert plan_segments([1, 2], [0, 1], 4) == []
+    # a prefix hit in the middle splits nothing but is skipped
+    assert [s.positions for s in plan_segments([1, 2, 3, 4], [1], 8)] == [(0,), (2, 3)]
+    with pytest.raises(ValueError):
+        plan_segments([1], [], 0)
+    assert segment_blocks_for(8 << 20, 368_640) == 22
+    assert segment_blocks_for(1, 368_640) == 1
+
+
+def test_ticket_digest_sees_any_change():
+    base = ticket_digest([4, 5, 6], [0])
+    assert base == ticket_digest([4, 5, 6], (0,))
+    assert base != ticket_digest([4, 5, 7], [0])
+    assert base != ticket_digest([4, 5, 6], [])
+    assert base != ticket_digest([4, 5, 6, 7], [0])
+
+
+def test_block_runs():
+    assert block_runs([3, 4, 5, 9, 1, 2, 11]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2), (6, 11, 1)]
+    assert block_runs([]) == []
 
 
 def test_topology_classes():
@@ -96,7 +120,8 @@ def test_topology_classes():
         Location.from_wire({"node_id": 1})
 
 
-@pytest.mark.parametrize("field", ["stall_timeout_s", "start_timeout_s", "part_bytes"])
+@pytest.mark.parametrize("field", ["stall_timeout_s", "start_timeout_s", "part_bytes",
+                                   "max_in_flight_parts"])
 def test_config_rejects_non_positive_values(field):
     with pytest.raises(ValueError, match=field):
         TransferConfig(**{field: 0})
