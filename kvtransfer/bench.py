@@ -107,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
         result["sizes"] = {}
         for label in sizes:
             nblocks = _num_blocks(SIZES[label], layout)
-            reps = args.reps or (40 if SIZES[label] <= MB else 20 if SIZES[label] <= 16 * MB else 5)
-            kv_s = _time_transfers(producer, peer, nblocks, reps)
-            raw_s = _time_raw(raw, peer, nblocks * layout.bytes_per_block, layout.device, reps)
+            reps = args.reps or (100 if SIZES[label] <= MB else 20 if SIZES[label] <= 16 * MB else 5)
             nbytes = nblocks * layout.bytes_per_block
+            kv_s, (raw_s,) = _time_side_by_side(producer, peer, raw, nblocks, [nbytes],
+                                                layout.device, reps)
             entry = {"bytes": nbytes, "blocks": nblocks, "gbps": nbytes / kv_s / 1e9,
                      "raw_gbps": nbytes / raw_s / 1e9, "ratio": raw_s / kv_s,
                      "memcpy_ratio": nbytes / kv_s / 1e9 / result["memcpy_gbps"]}
@@ -122,15 +122,16 @@ def run(args: argparse.Namespace) -> int:
         for label in sizes if args.scattered else []:
             nblocks = _num_blocks(SIZES[label], layout)
             reps = args.reps or (10 if SIZES[label] <= 16 * MB else 2)
-            kv_s = _time_transfers(producer, peer, nblocks, reps, scattered=True)
-            raw_gbps = result["sizes"][label]["raw_gbps"]
             nbytes = nblocks * layout.bytes_per_block
+            kv_s, (raw_s,) = _time_side_by_side(producer, peer, raw, nblocks, [nbytes],
+                                                layout.device, reps, scattered=True)
             result["scattered_sizes"][label] = {"gbps": nbytes / kv_s / 1e9,
-                                                "ratio": nbytes / kv_s / 1e9 / raw_gbps}
-            print(f"{label} scattered: kv {nbytes / kv_s / 1e9:.2f} GB/s", flush=True)
-        one_kv = _time_transfers(producer, peer, 1, 40)
-        one_raw = _time_raw(raw, peer, layout.bytes_per_block, layout.device, 40)
-        tiny_raw = _time_raw(raw, peer, 4, layout.device, 40)
+                                                "raw_gbps": nbytes / raw_s / 1e9,
+                                                "ratio": raw_s / kv_s}
+            print(f"{label} scattered: kv {nbytes / kv_s / 1e9:.2f} GB/s, "
+                  f"ratio {raw_s / kv_s:.2f}", flush=True)
+        one_kv, (one_raw, tiny_raw) = _time_side_by_side(
+            producer, peer, raw, 1, [layout.bytes_per_block, 4], layout.device, 100)
         result.update({"one_block_latency_s": one_kv, "raw_one_block_latency_s": one_raw,
                        "raw_tiny_latency_s": tiny_raw,
                        "one_block_latency_ratio": one_kv / one_raw,
@@ -171,42 +172,60 @@ def _memcpy_gbps(device: torch.device) -> float:
     return src.numel() / best / 1e9
 
 
-def _time_transfers(producer: KVProducer, peer: _Peer, nblocks: int, reps: int,
-                    scattered: bool = False) -> float:
-    """Median seconds from push to the consumer's DONE. Slots are consecutive (a fresh pool
-    hands out runs) or, with ``scattered``, every other slot in reverse (no two adjacent)."""
-    times = []
+def _time_side_by_side(producer: KVProducer, peer: _Peer, raw: Any, nblocks: int,
+                       raw_sizes: list[int], device: torch.device, reps: int,
+                       scattered: bool = False) -> tuple[float, list[float]]:
+    """Median seconds of a KV transfer of ``nblocks`` and of a raw message of each of
+    ``raw_sizes`` bytes, interleaved rep by rep (the order turning each rep) so that all see
+    the same machine; the first rep is a warm-up (and opens the pair)."""
+    kv_times: list[float] = []
+    raw_times: list[list[float]] = [[] for _ in raw_sizes]
+    tensors = [torch.ones(n, dtype=torch.uint8, device=device) for n in raw_sizes]
+    for rep in range(reps + 1):
+        jobs: list[Any] = [None, *range(len(raw_sizes))]
+        shift = rep % len(jobs)
+        for job in jobs[shift:] + jobs[:shift]:
+            if job is None:
+                seconds = _time_transfer(producer, peer, nblocks, rep, scattered)
+                if rep:
+                    kv_times.append(seconds)
+            else:
+                seconds = _time_raw_once(raw, peer, tensors[job])
+                if rep:
+                    raw_times[job].append(seconds)
+    producer.drain_stats()
+    return statistics.median(kv_times), [statistics.median(t) for t in raw_times]
+
+
+def _time_transfer(producer: KVProducer, peer: _Peer, nblocks: int, rep: int,
+                   scattered: bool) -> float:
+    """Seconds from push to the consumer's DONE. Slots are consecutive (a fresh pool hands
+    out runs) or, with ``scattered``, every other slot in reverse (no two adjacent)."""
     slots = list(range(1, nblocks + 1))
     if scattered:
         slots = list(range(2 * nblocks - 1, 0, -2))
-    for rep in range(reps + 1):  # the first is a warm-up (and opens the pair)
-        req = f"bench-{nblocks}-{rep}-{time.monotonic_ns()}"
-        ticket = peer.call("expect", req_id=req, block_ids=slots)["ticket"]
-        producer.begin(ticket)
-        time.sleep(0.02)  # the Open is delivered: the consumer waits like a reserved decode
-        t0 = time.time()
-        producer.push(req, list(range(nblocks)))
-        status = wait_terminal(producer, req, 120)
-        if status is None or status.state is not TransferState.DONE:
-            raise RuntimeError(f"bench transfer {req} ended as {status}")
-        end = peer.call("end_time", req_id=req)["end_time"]
-        producer.forget(req)
-        if rep:
-            times.append(end - t0)
-    producer.drain_stats()
-    return statistics.median(times)
+    req = f"bench-{nblocks}-{rep}-{time.monotonic_ns()}"
+    ticket = peer.call("expect", req_id=req, block_ids=slots)["ticket"]
+    producer.begin(ticket)
+    time.sleep(0.02)  # the Open is delivered: the consumer waits like a reserved decode
+    t0 = time.time()
+    producer.push(req, list(range(nblocks)))
+    status = wait_terminal(producer, req, 120)
+    if status is None or status.state is not TransferState.DONE:
+        raise RuntimeError(f"bench transfer {req} ended as {status}")
+    end = peer.call("end_time", req_id=req)["end_time"]
+    producer.forget(req)
+    return end - t0
 
 
-def _time_raw(group: Any, peer: _Peer, nbytes: int, device: torch.device, reps: int) -> float:
-    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    peer.send({"op": "raw", "nbytes": nbytes, "reps": reps + 1})
-    starts = []
-    for _ in range(reps + 1):
-        time.sleep(0.02)  # the receiver has posted its recv
-        starts.append(time.time())
-        group.send([tensor], 1, 0).wait()
-    ends = peer.recv()["ends"]
-    return statistics.median(e - s for s, e in list(zip(starts, ends, strict=True))[1:])
+def _time_raw_once(group: Any, peer: _Peer, tensor: torch.Tensor) -> float:
+    """One contiguous message: the consumer posts its receive, we wait as for a transfer and
+    send; seconds from the send to the end of the receive."""
+    peer.call("raw_post", nbytes=tensor.numel())
+    time.sleep(0.02)
+    start = time.time()
+    group.send([tensor], 1, 0).wait()
+    return peer.recv()["end"] - start
 
 
 def _streaming(engine: Any, peer: _Peer, prompt_tokens: int, device: str) -> dict[str, Any]:
@@ -334,6 +353,7 @@ def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
                            timeout=datetime.timedelta(seconds=60))
     conn.send_bytes(msgpack.packb({"ready": True}))
     raw = _raw_group(client, rank=1, device=layout.device)
+    raw_buffers: dict[int, torch.Tensor] = {}
     while True:
         cmd = msgpack.unpackb(conn.recv_bytes())
         op = cmd["op"]
@@ -347,14 +367,16 @@ def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
                 raise RuntimeError(f"consumer side of {cmd['req_id']} ended as {status}")
             consumer.forget(cmd["req_id"])
             reply = {"end_time": stats[-1].end_time}
-        elif op == "raw":
-            tensor = torch.empty(cmd["nbytes"], dtype=torch.uint8, device=layout.device)
-            ends = []
-            for _ in range(cmd["reps"]):
-                raw.recv([tensor], 0, 0).wait()
-                _sync(layout.device)
-                ends.append(time.time())
-            reply = {"ends": ends}
+        elif op == "raw_post":
+            tensor = raw_buffers.get(cmd["nbytes"])
+            if tensor is None:
+                tensor = raw_buffers[cmd["nbytes"]] = torch.empty(
+                    cmd["nbytes"], dtype=torch.uint8, device=layout.device)
+            work = raw.recv([tensor], 0, 0)
+            conn.send_bytes(msgpack.packb({"posted": True}))
+            work.wait()
+            _sync(layout.device)
+            reply = {"end": time.time()}
         elif op == "exit":
             for endpoint in consumers.values():
                 endpoint.close()
