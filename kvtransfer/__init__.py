@@ -64,10 +64,11 @@ Who frees which blocks:
     ``poll`` reports a terminal state no further write lands in those slots. On the posted
     path a transfer's receives are posted into its slots until it ends, so ``abort()`` (and a
     timeout or the producer's End) returns at once but the state turns terminal only once
-    every receive of it is released (the producer answers the consumer's End with one empty
-    message on the tag; a producer that does not within the stall timeout loses the pair,
-    which fails every receive of it). The caller frees the slots when ``poll`` says it ended,
-    as vLLM's KV connectors delay freeing the blocks a transfer may still write.
+    every receive of it has had its message (the producer answers the consumer's End with one
+    empty message on the tag for each segment it did not send; a producer that does not
+    within the stall timeout loses the pair, which fails every receive of it). The caller
+    frees the slots when ``poll`` says it ended, as vLLM's KV connectors delay freeing the
+    blocks a transfer may still write.
   * producer side: the source blocks belong to the prefill request (``prefill_only`` keeps
     them). The prefill worker releases them once the producer's state is terminal; from then
     on kvtransfer starts no new read of them (a send already on the wire may still read them

@@ -8,11 +8,10 @@
 * :class:`Channel` -- a two-rank tensor pipe (rank 0 = producer, rank 1 = consumer) with
   asynchronous ``send``/``recv`` whose ``wait(timeout_s)`` raises :class:`ChannelError`.
   Messages on one tag are matched to receives on that tag in posting order; a receive may be
-  larger than its message (``can_prepost`` channels) and a message may be empty. Dropping the
-  last reference to a receive's :class:`Work` cancels it: from then on nothing is written into
-  its tensor (gloo's unbound buffer waits for a write in progress, then discards what is
-  matched to it). A wait that times out may break the whole channel (gloo closes the pair),
-  so an idle wait is long and a short one means the pair is given up.
+  larger than its message (``can_prepost`` channels) and a message may be empty. A receive
+  must get its message before its :class:`Work` is dropped: over gloo a message that comes
+  for a dropped receive wedges the pair. A wait that times out may break the whole channel
+  (gloo closes the pair), so an idle wait is long and a short one means the pair is given up.
 * :class:`Backend` -- builds both from small address dicts.
 
 Implementations: :class:`kvtransfer.dist_backend.DistBackend` (TCPStore + ProcessGroupGloo /

@@ -86,8 +86,8 @@ class PoolView:
 
     def run(self, first: int, n: int) -> torch.Tensor:
         """Blocks ``first .. first + n - 1``: one contiguous region, sent or received as is."""
-        kv = self._kv if self._kv is not None else self._pool()
-        return kv.narrow(0, first, n)
+        kv = self._kv
+        return (kv if kv is not None else self._pool()).narrow(0, first, n)
 
     def gather(self, block_ids: Sequence[int], slab: Slab) -> torch.Tensor:
         """Copy the blocks into the slab, in order; returns the message to send."""

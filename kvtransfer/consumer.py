@@ -153,7 +153,7 @@ class KVConsumer:
             if not posted and not self._table.finish(record, state, reason, side, detail):
                 return False
         if tell_producer and record.link is not None:
-            record.link.send_end(wire.End(record.req_id, state, reason, side, detail))
+            record.link.send_end(wire.End(record.req_id, state, reason, side, detail, record.tag))
         return True
 
     def forget(self, req_id: str) -> TransferStatus | None:

@@ -13,10 +13,12 @@ straight into its reserved slots, on the transfer's own tag:
   not (or no longer) serve into scratch memory.
 
 Cancelling a posted transfer (abort, timeout, the producer's End, a lost pair): its receives
-stay posted until the waiter drops them, so the record is terminal only after that. The
-consumer tells the producer (End), which answers with one empty message on the tag when it
-still owes a segment: that wakes the waiter. A producer that does not answer within the stall
-timeout loses the pair: closing the channel fails every posted receive at once.
+point into its slots until each has had its message, so the record is terminal only after
+that. The consumer tells the producer (End), which answers with one empty message on the tag
+for every segment it had not sent: the waiter drains them and ends the transfer. (A gloo
+receive dropped before its message arrives wedges the pair when it does, so none is dropped
+while the pair lives.) A producer that does not answer within the stall timeout loses the
+pair: closing the channel fails every posted receive at once.
 """
 
 from __future__ import annotations
@@ -178,19 +180,19 @@ class ConsumerLink:
                 self._teardown(FailReason.PROTOCOL, str(exc), notify=True)
                 return
 
-    def _refuse(self, req: str, reason: FailReason, side: Side, detail: str) -> None:
+    def _refuse(self, req: str, tag: int, reason: FailReason, side: Side, detail: str) -> None:
         record = self._owner.table.get(req)
-        if record is not None and record.link is self:
+        if record is not None and record.link is self and record.tag == tag:
             self._owner.end(record, TransferState.FAILED, reason, side, detail)
         else:
-            self._push_rev(wire.End(req, TransferState.FAILED, reason, side, detail))
+            self._push_rev(wire.End(req, TransferState.FAILED, reason, side, detail, tag))
 
     def _on_open(self, msg: wire.Open) -> None:
         table = self._owner.table
         record = table.get(msg.req)
         if record is None:
             self._push_rev(wire.End(msg.req, TransferState.FAILED, FailReason.UNKNOWN_REQUEST,
-                                    Side.CONSUMER, "no reservation for this request id"))
+                                    Side.CONSUMER, "no reservation for this request id", msg.tag))
             return
         with table.lock:
             terminal = record.state.is_terminal
@@ -200,15 +202,16 @@ class ConsumerLink:
                 record.backend, record.posted = self._backend_name, msg.posted
         if terminal:
             self._push_rev(wire.End(msg.req, record.state, record.reason, record.failed_side,
-                                    record.detail))
+                                    record.detail, msg.tag))
             return
         if bound_elsewhere:
             self._push_rev(wire.End(msg.req, TransferState.FAILED, FailReason.UNKNOWN_REQUEST,
-                                    Side.CONSUMER, "request already served by another producer"))
+                                    Side.CONSUMER, "request already served by another producer",
+                                    msg.tag))
             return
         refusal = self._check_open(msg, record)
         if refusal is not None:
-            self._refuse(msg.req, FailReason.MISMATCH, Side.PRODUCER, refusal)
+            self._refuse(msg.req, msg.tag, FailReason.MISMATCH, Side.PRODUCER, refusal)
             return
         if msg.posted:
             self._post(record)
@@ -250,7 +253,7 @@ class ConsumerLink:
                 record.works, record.waiter = works, waiter
             del works
             waiter.start()
-        self._push_rev(wire.Ready(record.req_id))
+        self._push_rev(wire.Ready(record.req_id, record.tag))
 
     def _wait_segments(self, record: TransferRecord) -> None:
         """A posted transfer's waiter: each segment's receive in plan order, then the end."""
@@ -261,6 +264,10 @@ class ConsumerLink:
             return
         error: ChannelError | None = None
         last = len(record.segments) - 1
+        # Every receive is waited for, even once the transfer is ending: a gloo receive that
+        # is dropped before its message comes wedges the pair when the message does come
+        # (gloo neither discards nor skips it), so each one gets exactly one message, a
+        # segment or the producer's empty release.
         for seg in record.segments:
             try:
                 works[seg.index].wait(_IDLE_WAIT_S)
@@ -269,18 +276,16 @@ class ConsumerLink:
                 break
             if seg.index == last and table.finish(record, TransferState.DONE, unless_ending=True,
                                                   num_bytes=record.num_total * per_block):
-                # every receive has completed, none is left posted: DONE before the cleanup
-                works.clear()
+                works.clear()  # every receive has completed: DONE before the cleanup
                 with table.lock:
                     record.works, record.num_landed = None, len(record.segments)
-                self._push_rev(wire.End(record.req_id, TransferState.DONE))
+                self._push_rev(wire.End(record.req_id, TransferState.DONE, tag=record.tag))
                 return
             with table.lock:
-                if record.cancel is not None:
-                    break
-                record.num_landed += 1
-                record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
-        works.clear()  # cancels every receive still posted: nothing lands in the slots now
+                if record.cancel is None:
+                    record.num_landed += 1
+                    record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
+        works.clear()  # all completed, or the pair is closed: nothing lands in the slots now
         del works
         with table.lock:  # only now may end() finish it directly
             record.works = None
@@ -294,7 +299,7 @@ class ConsumerLink:
 
     def _on_end(self, msg: wire.End) -> None:
         record = self._owner.table.get(msg.req)
-        if record is not None and record.link is self:
+        if record is not None and record.link is self and msg.tag in (0, record.tag):
             # answered even when nothing is owed: a posted transfer's End asks for the flush
             self._owner.end(record, msg.state, msg.reason, msg.side, msg.detail)
 
@@ -306,13 +311,13 @@ class ConsumerLink:
         if any(n == 0 for n in msg.sizes) or (msg.crc is not None and len(msg.crc) != len(msg.sizes)):
             raise wire.ProtocolError("a blocks message with an empty segment or stray checksums")
         record = table.get(msg.req)
-        serve = record is not None and record.link is self
+        serve = record is not None and record.link is self and record.tag == msg.tag
         if serve and record is not None and record.posted:
             raise wire.ProtocolError("a blocks message for a transfer on the posted path")
         if serve and record is not None and not self._closing.is_set():
             plan = [s.num_blocks for s in record.segments[msg.first:msg.first + len(msg.sizes)]]
             if msg.first != record.num_landed or msg.sizes != plan or msg.tag != record.tag:
-                self._refuse(msg.req, FailReason.MISMATCH, Side.PRODUCER,
+                self._refuse(msg.req, msg.tag, FailReason.MISMATCH, Side.PRODUCER,
                              "the announced segments are not the next ones of the plan")
                 serve = False
         if not serve or record is None:
@@ -333,7 +338,7 @@ class ConsumerLink:
                 if self._stream is not None:
                     self._stream.synchronize()
                 if msg.crc is not None and crc32(region) != msg.crc[i]:
-                    self._refuse(msg.req, FailReason.CHECKSUM, Side.PRODUCER,
+                    self._refuse(msg.req, msg.tag, FailReason.CHECKSUM, Side.PRODUCER,
                                  f"segment {seg.index} checksum mismatch")
                     self._drain(msg.tag, msg.sizes[i + 1:])
                     return
@@ -341,7 +346,7 @@ class ConsumerLink:
                     record.num_landed += 1
                     record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
         if record.num_landed == len(record.segments) and table.finish(record, TransferState.DONE):
-            self._push_rev(wire.End(msg.req, TransferState.DONE))
+            self._push_rev(wire.End(msg.req, TransferState.DONE, tag=record.tag))
 
     def _drain(self, tag: int, sizes: list[int]) -> None:
         """Receive announced segments nobody wants (the producer sends them regardless)."""

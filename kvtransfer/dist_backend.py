@@ -54,13 +54,15 @@ class DistChannel:
 
     def send(self, tensor: torch.Tensor, tag: int) -> _DistWork:
         try:
-            return _DistWork(self._group.send([tensor], self._peer, tag), "send", self._cuda)
+            return _DistWork(self._group.send([tensor], self._peer, tag), f"send (tag {tag})",
+                             self._cuda)
         except RuntimeError as exc:
             raise ChannelError(f"send: {str(exc).splitlines()[0][:300]}") from None
 
     def recv(self, tensor: torch.Tensor, tag: int) -> _DistWork:
         try:
-            return _DistWork(self._group.recv([tensor], self._peer, tag), "recv", self._cuda)
+            return _DistWork(self._group.recv([tensor], self._peer, tag), f"recv (tag {tag})",
+                             self._cuda)
         except RuntimeError as exc:
             raise ChannelError(f"recv: {str(exc).splitlines()[0][:300]}") from None
 

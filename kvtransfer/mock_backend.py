@@ -4,8 +4,8 @@ For unit tests of the layers above (worker actors, schedulers): producers and co
 process talk through a :class:`MockHub` (queues and tensor pipes in memory) with the same
 protocol, states, timeouts and failure handling as the torch.distributed transport. A send
 copies into the receive posted for it (or into an inbox until one is), so the two pools never
-alias; receives are matched per tag in posting order, may be larger than their message, are
-cancelled when their Work is dropped, and a timed-out wait closes the pipe, as over gloo.
+alias; receives are matched per tag in posting order and may be larger than their message; a
+timed-out wait closes the pipe and a message for a dropped receive breaks it, as over gloo.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ class _MockSendWork:
 
 
 class _MockRecvWork:
-    """Like gloo's: dropping it cancels the receive (after a copy in progress has finished,
-    since the copy holds the pipe's lock); a wait that times out closes the pipe."""
+    """Like gloo's: a wait that times out closes the pipe, and a receive dropped before its
+    message comes breaks the pipe when the message does (gloo wedges the pair then)."""
 
     __slots__ = ("_pipe", "_slot")
 
@@ -182,9 +182,15 @@ class MockChannel:
             posted = pipe.posted.get(key)
             if posted:
                 slot = posted.popleft()
-                if not slot.cancelled:  # a cancelled receive swallows its message, as in gloo
-                    slot.fill(tensor)
+                if slot.cancelled:
+                    # gloo wedges the pair when a message comes for a dropped receive (it can
+                    # neither deliver nor skip it): the mock breaks the pipe so tests see it
+                    pipe.closed = True
                     pipe.cond.notify_all()
+                    raise ChannelError("send: message for a cancelled receive (the pair "
+                                       "would be wedged)")
+                slot.fill(tensor)
+                pipe.cond.notify_all()
             else:
                 pipe.inbox.setdefault(key, deque()).append(tensor.detach().clone())
         return _MockSendWork()

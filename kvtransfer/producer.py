@@ -156,7 +156,8 @@ class KVProducer:
         if record.link is not None:
             record.link.submit(("end", record, wire.End(req_id, TransferState.ABORTED,
                                                         side=Side.PRODUCER,
-                                                        detail="aborted by the producer")))
+                                                        detail="aborted by the producer",
+                                                        tag=record.tag)))
         return True
 
     def forget(self, req_id: str) -> TransferStatus | None:
@@ -234,7 +235,8 @@ class KVProducer:
         if self._table.finish(record, TransferState.FAILED, FailReason.TIMEOUT, side, detail):
             if record.link is not None:
                 record.link.submit(("end", record, wire.End(
-                    record.req_id, TransferState.FAILED, FailReason.TIMEOUT, side, detail)))
+                    record.req_id, TransferState.FAILED, FailReason.TIMEOUT, side, detail,
+                    record.tag)))
 
 
 def _check_skip(record: TransferRecord, start: int) -> None:

@@ -21,6 +21,7 @@ and no segment is sent after that.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import uuid
@@ -40,6 +41,8 @@ from kvtransfer.transfers import TransferRecord
 
 if TYPE_CHECKING:
     from kvtransfer.producer import KVProducer
+
+log = logging.getLogger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # the flush message
 
@@ -102,7 +105,9 @@ class ProducerLink:
 
     def on_pushed(self, record: TransferRecord, event: Any) -> None:
         """Positions up to ``record.cursor`` are pushed: send the segments that finished."""
-        if not self._has_sendable(record):
+        segments, k = record.segments, record.num_issued
+        if (k >= len(segments) or segments[k].last_position >= record.cursor
+                or (record.posted and not record.ready)):
             return
         if event is None and self._posted and self._issue_lock.acquire(blocking=False):
             # Posted path, link idle: send from push() itself (no thread hand-off)
@@ -289,10 +294,12 @@ class ProducerLink:
     def _send_announced(self, record: TransferRecord) -> None:
         """Blocks(first, count, crc) then the segments, in batches that fit one message."""
         checksum = self._owner.config.checksum
+        # with checksums a batch is staged before it is announced: keep it to the window
+        batch = self._owner.config.max_in_flight_parts if checksum else wire.MAX_SEGMENTS_PER_BLOCKS
         while self._has_sendable(record):
             first = record.num_issued
             count = 0
-            while (first + count < len(record.segments) and count < wire.MAX_SEGMENTS_PER_BLOCKS
+            while (first + count < len(record.segments) and count < batch
                    and record.segments[first + count].last_position < record.cursor):
                 count += 1
             if checksum:
@@ -339,13 +346,17 @@ class ProducerLink:
                 self._records.pop(record.req_id, None)
 
     def _flush(self, record: TransferRecord) -> None:
-        """The consumer cancelled: release the receive it still waits on, if it has one."""
-        self._make_room()
+        """The consumer is ending the transfer: one empty message for every segment not sent,
+        so that each of its posted receives gets its one message (and none is sent after)."""
         with self._issue_lock, record.io_lock:
-            if record.flushed or not record.ready or record.num_issued >= len(record.segments):
+            if record.flushed or not record.ready:
                 return
             record.flushed = True
-            self._issue(_EMPTY, record.tag, None, None, None, 0)
+            owed = len(record.segments) - record.num_issued
+        for _ in range(owed):
+            self._make_room()
+            with self._issue_lock:
+                self._issue(_EMPTY, record.tag, None, None, None, 0)
 
     def _confirm(self, record: TransferRecord) -> None:
         """The stall watchdog found every block pushed but no End from the consumer: every
@@ -402,7 +413,7 @@ class ProducerLink:
                 return
             if isinstance(msg, wire.Ready):
                 record = self._records.get(msg.req)
-                if record is not None:
+                if record is not None and record.tag == msg.tag:
                     record.ready = True
                     if self._has_sendable(record):
                         self.submit(("send", record, None))
@@ -410,22 +421,26 @@ class ProducerLink:
             if not isinstance(msg, wire.End):
                 self._teardown(FailReason.PROTOCOL, f"unexpected {type(msg).__name__} on rev")
                 return
-            record = self._records.pop(msg.req, None)
-            if record is None:
-                continue
+            record = self._records.get(msg.req)
+            if record is None or msg.tag not in (0, record.tag):
+                continue  # an earlier transfer's (a request id may come back)
+            del self._records[msg.req]
+            num_bytes = 0
             if msg.state is TransferState.DONE:
                 self._jobs.put(("reap",))  # sends that push() issued inline
-                with table.lock:  # may overtake our own completions
-                    record.num_bytes = record.num_total * self._owner.layout.bytes_per_block
+                num_bytes = record.num_total * self._owner.layout.bytes_per_block
             elif record.posted and record.ready:
                 self.submit(("flush", record))
-            table.finish(record, msg.state, msg.reason, msg.side, msg.detail)
+            table.finish(record, msg.state, msg.reason, msg.side, msg.detail, num_bytes=num_bytes)
 
     def _teardown(self, reason: FailReason, detail: str, local: bool | None = None) -> None:
         owner = self._owner
         self.dead = True
         if local is None:
             local = owner._closed or self._closing.is_set()
+        if not local:
+            log.warning("kvtransfer producer: pair %s to %s lost (%s): %s", self.pair,
+                        self.consumer_id, reason.value, detail)
         self._records.clear()
         for record in owner.table.live():
             if record.link is not self:
@@ -438,7 +453,8 @@ class ProducerLink:
                 try:  # in frames mode the consumer learns it from the torn-down group
                     if self._fwd is not None:
                         self._fwd.push(self._fwd_key, wire.encode(wire.End(
-                            record.req_id, TransferState.FAILED, reason, Side.CONSUMER, detail)))
+                            record.req_id, TransferState.FAILED, reason, Side.CONSUMER, detail,
+                            record.tag)))
                 except ChannelError:
                     pass
         if not local:

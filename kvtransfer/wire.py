@@ -62,6 +62,7 @@ class Ready:
     """Posted path: every segment's receive is posted; the producer may send."""
 
     req: str
+    tag: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class End:
     reason: FailReason | None = None
     side: Side | None = None
     detail: str = ""
+    tag: int = 0  # the transfer's tag: a request id may come back in a later transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,7 @@ def encode(msg: Message) -> bytes:
             "block_shape": msg.block_shape, "posted": msg.posted,
         }
     elif isinstance(msg, Ready):
-        body = {"t": "ready", "req": msg.req}
+        body = {"t": "ready", "req": msg.req, "tag": msg.tag}
     elif isinstance(msg, Blocks):
         body = {"t": "blocks", "req": msg.req, "tag": msg.tag, "first": msg.first,
                 "sizes": msg.sizes, "crc": msg.crc}
@@ -120,6 +122,7 @@ def encode(msg: Message) -> bytes:
             "t": "end", "req": msg.req, "state": msg.state.value,
             "reason": msg.reason.value if msg.reason else None,
             "side": msg.side.value if msg.side else None, "detail": msg.detail,
+            "tag": msg.tag,
         }
     elif isinstance(msg, Bye):
         body = {"t": "bye"}
@@ -154,7 +157,7 @@ def decode(raw: bytes) -> Message:
             dtype=_str(body, "dtype"), block_shape=_ints(body, "block_shape"), posted=posted,
         )
     if kind == "ready":
-        return Ready(req=_str(body, "req"))
+        return Ready(req=_str(body, "req"), tag=_int(body, "tag"))
     if kind == "blocks":
         crc = body.get("crc")
         return Blocks(req=_str(body, "req"), tag=_int(body, "tag"), first=_int(body, "first"),
@@ -169,7 +172,7 @@ def decode(raw: bytes) -> Message:
         if not state.is_terminal:
             raise ProtocolError(f"end message with live state {state.value}")
         return End(req=_str(body, "req"), state=state, reason=reason, side=side,
-                   detail=str(body.get("detail", ""))[:500])
+                   detail=str(body.get("detail", ""))[:500], tag=_int(body, "tag"))
     if kind == "bye":
         return Bye()
     raise ProtocolError(f"unknown message type {kind!r}")

@@ -314,6 +314,29 @@ def test_consumer_abort_of_a_posted_transfer_ends_once_its_receives_are_released
     assert wait_terminal(consumer, "c2", WAIT).state is TransferState.DONE
 
 
+@pytest.mark.parametrize("pushed", [0, 1, 2, 3, 5])
+def test_every_posted_receive_gets_one_message_whenever_the_consumer_aborts(pushed):
+    """Segments sent, then the abort: the producer releases each receive not yet served (a
+    message for a dropped receive would break the mock's pipe), and the pair keeps working."""
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=LAYOUT.bytes_per_block)  # 1 per segment
+    src, dst, consumer, producer = make_pair(cfg)
+    try:
+        producer.begin(consumer.expect("e1", [1, 2, 3, 4, 5]))
+        time.sleep(0.05)
+        producer.push("e1", list(range(10, 10 + pushed)))
+        aborted = consumer.abort("e1")  # False: every segment landed first
+        state = wait_terminal(consumer, "e1", WAIT).state
+        assert state is (TransferState.ABORTED if aborted else TransferState.DONE)
+        assert wait_terminal(producer, "e1", WAIT).state.is_terminal
+        producer.begin(consumer.expect("e2", [6, 7]))
+        producer.push("e2", [20, 21])
+        assert wait_terminal(consumer, "e2", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks([6, 7]), src.read_blocks([20, 21]))
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def _wait_done(endpoint, req_id: str, n: int) -> bool:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
@@ -322,3 +345,22 @@ def _wait_done(endpoint, req_id: str, n: int) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+def test_a_request_id_can_come_back_right_after_its_transfer_ended(pair):
+    """Router retries reuse request ids: a late End of the earlier transfer (told apart by
+    its tag) must not end the new one."""
+    src, dst, consumer, producer = pair
+    for _ in range(5):
+        producer.begin(consumer.expect("x", [1, 2, 3]))
+        producer.push("x", [4])
+        assert producer.abort("x")
+        assert wait_terminal(consumer, "x", WAIT).state is TransferState.ABORTED
+        consumer.forget("x")
+        producer.forget("x")
+    ticket = consumer.expect("x", [5, 6, 7])
+    producer.begin(ticket)
+    producer.push("x", [8, 9, 10])
+    assert wait_terminal(producer, "x", WAIT).state is TransferState.DONE
+    assert wait_terminal(consumer, "x", WAIT).state is TransferState.DONE
+    assert torch.equal(dst.read_blocks([5, 6, 7]), src.read_blocks([8, 9, 10]))

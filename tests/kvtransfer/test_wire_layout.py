@@ -23,11 +23,11 @@ OPEN = wire.Open("r", 17, 2**63 + 5, 3, 2, 2, [0, 2], "bfloat16", [2, 1, 4], Tru
 @pytest.mark.parametrize("msg", [
     wire.Hello("p-1", "prod", {"host": "h", "port": 1}, {"node_id": "n"}, LAYOUT.to_wire()),
     OPEN,
-    wire.Ready("r"),
+    wire.Ready("r", 17),
     wire.Blocks("r", 17, 0, [2, 1], [1, 2**32 - 1]),
     wire.Blocks("r", 17, 1, [1], None),
     wire.End("r", TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER, "stalled"),
-    wire.End("r", TransferState.DONE),
+    wire.End("r", TransferState.DONE, tag=17),
     wire.Bye(),
 ])
 def test_messages_round_trip(msg):
