@@ -139,9 +139,9 @@ class KVConsumer:
 
     def end(self, record: TransferRecord, state: TransferState, reason: FailReason | None,
             side: Side | None, detail: str, *, tell_producer: bool = True) -> bool:
-        """End ``record`` now, or, while receives of it are posted, once its waiter has dropped
-        them (the End we send asks the producer to release the one waited on). False: it
-        already ended or is already ending."""
+        """End ``record`` now, or, while receives of it are posted, once each has had its
+        message (the End we send asks the producer to fill those it will not send into with
+        an empty one). False: it already ended or is already ending."""
         with record.io_lock:  # a receive being posted (ConsumerLink._post) finishes first
             with self._table.lock:
                 if record.state.is_terminal or record.cancel is not None:
