@@ -55,13 +55,13 @@ class TransferRecord:
     num_issued: int = 0  # segments handed to the channel
     ready: bool = False  # posted path: the consumer posted every receive
     posted: bool = False  # posted path (else announced)
-    flushed: bool = False  # posted path: the consumer's last posted receive was released
+    flushed: bool = False  # posted path: every segment not sent got its empty message instead
     confirming: bool = False  # the stall watchdog asked the sender to settle it
     # consumer
     num_landed: int = 0  # segments written into the slots
     works: list[Any] | None = None  # posted path: one receive per segment, owned by the waiter
     waiter: threading.Thread | None = None  # posted path: the thread that waits for them
-    # posted path: the terminal state to take once no receive is left posted
+    # posted path: the terminal state to take once every receive has had its message
     cancel: tuple[TransferState, FailReason | None, Side | None, str] | None = None
     cancel_since: float = 0.0
     io_lock: threading.RLock = field(default_factory=threading.RLock)
