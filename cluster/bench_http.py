@@ -77,8 +77,9 @@ def _scale(values: np.ndarray, target: int) -> np.ndarray:
 
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int, tier: int,
                timeout: float) -> Outcome:
+    # The tier travels twice: as vLLM's ``priority`` (0 most urgent) and as our header.
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "priority": tier}
     t0 = time.perf_counter()
     marks: dict[str, float] = {}
     n = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -54,7 +55,14 @@ def find_gguf() -> Path:
 
 
 def is_prepared(path: Path) -> bool:
-    return (path / DONE_MARKER).is_file()
+    """Built, and by a version that wrote a plain bf16 config (older builds kept the GGUF
+    ``quantization_config``, which other servers such as vLLM refuse)."""
+    if not (path / DONE_MARKER).is_file():
+        return False
+    try:
+        return "quantization_config" not in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def prepare(output: Path, log=print) -> Path:
@@ -73,6 +81,9 @@ def prepare(output: Path, log=print) -> Path:
     log(f"[2/4] copying weights into a fresh {type(source).__name__} (bf16)")
     config = source.config
     config.architectures = [type(source).__name__]
+    # The weights are saved dequantized: the GGUF quantization settings no longer apply.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     target = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
