@@ -1,9 +1,11 @@
 """Admission: accept, queue, or reject with a retry-after, from SLO feasibility.
 
 On arrival the global scheduler predicts the request's time to its binding
-deadline's milestone: the longer of two waits, plus its own prefill. One is the
-prefill work queued ahead of it (work of its own and more urgent tiers, spread
-over the prefill workers). The other is the wait for decode memory: the KV
+deadline's milestone: the longer of two waits, plus its own work (its prefill, and
+for a tier with an end-to-end target its decode too). One is the prefill work
+queued ahead of it, spread over the prefill workers: all of the more urgent tiers'
+(a hopeless request is never ordered behind a less urgent tier, DESIGN §5) and its
+own tier's up to one deadline window (its tier's hopeless requests go behind it). The other is the wait for decode memory: the KV
 blocks that queued requests of its own and more urgent tiers want, plus its own,
 beyond what is free or held by tiers it may preempt, drained at the rate the
 running requests release blocks. Prefill is rarely the bottleneck when prompts
@@ -13,8 +15,9 @@ that fits its deadline it is accepted (capacity free now) or queued (capacity
 frees up in time); if the load makes it miss (its own prefill alone would fit)
 by more than ``tolerance``, it is rejected with ``retry_after_s`` = how long
 until the work ahead has drained enough for it to fit. Rejecting early keeps
-doomed work from taking capacity that feasible requests need; a request too big
-for its target even on an idle worker is queued and served best effort.
+doomed work from taking capacity that feasible requests need, whatever its tier;
+a request too big for its target even on an idle worker is queued and served best
+effort.
 
 Conditional preemption (``should_preempt_now``): a higher-tier arrival preempts
 at once only when free memory plus one eviction round covers at least its
@@ -28,7 +31,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler.deadlines import ServiceEstimate, deadline
+from scheduler.deadlines import ServiceEstimate, deadline, remaining_work_s
 from scheduler.request import Request
 from scheduler.tiers import TierConfig
 
@@ -79,25 +82,25 @@ def kv_release_rate(held: Iterable[tuple[int, int]], decode_token_s: float) -> f
 class AdmissionController:
     def __init__(self, tiers: TierConfig, est: ServiceEstimate, tolerance: float = 1.0,
                  reject_tiers: frozenset[int] | None = None) -> None:
-        """``reject_tiers``: tiers that may be rejected (default: those with a TTFT target)."""
+        """``reject_tiers``: tiers that may be rejected (default: every tier)."""
         if tolerance < 0:
             raise ValueError(f"tolerance: must be >= 0, got {tolerance}")
         self.tiers = tiers
         self.est = est
         self.tolerance = tolerance
         self.reject_tiers = (
-            reject_tiers if reject_tiers is not None
-            else frozenset(i for i, t in enumerate(tiers.tiers) if t.ttft_s is not None)
+            reject_tiers if reject_tiers is not None else frozenset(range(tiers.num_tiers))
         )
 
     def decide(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
         workers = max(load.num_prefill_workers, 1)
-        # Work of a more urgent tier counts as ahead only up to what can still meet
-        # that tier's deadline: the rest is demoted behind feasible work.
-        ahead = sum(min(b, self.tiers[u].deadline_s * workers)
-                    for u, b in enumerate(load.backlog_s_by_tier[: req.tier + 1])) / workers
-        own = self.est.prefill_s(max(req.prompt_len - req.num_computed_tokens, 1),
-                                 req.num_computed_tokens)
+        backlog = load.backlog_s_by_tier
+        t = req.tier
+        # All the more urgent tiers' work runs first; of its own tier only what can still
+        # meet a deadline (one window), since its hopeless requests are demoted behind it.
+        ahead = (sum(backlog[:t]) + min(backlog[t] if t < len(backlog) else 0.0,
+                                        self.tiers[t].deadline_s * workers)) / workers
+        own = remaining_work_s(req, self.tiers, self.est)
         predicted = max(ahead, self.kv_wait_s(req, load)) + own
         budget = deadline(req, self.tiers) - now
         if predicted <= budget:

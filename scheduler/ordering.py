@@ -169,7 +169,8 @@ class SlackPolicy(OrderingPolicy):
         return self.URGENCY_CREDIT_S * self.tiers[tier].weight
 
     def order(self, reqs: Sequence[Request], now: float) -> list[Request]:
-        """Feasible tier 0, starving, feasible of deficit tiers, other feasible, hopeless."""
+        """Feasible tier 0, starving, feasible of deficit tiers, other feasible, hopeless;
+        a hopeless request is never behind a feasible one of a less urgent tier."""
         guard = sorted((r for r in reqs if self.is_starving(r, now)),
                        key=lambda r: r.arrival_time)
         ids = {r.req_id for r in guard}
@@ -181,7 +182,7 @@ class SlackPolicy(OrderingPolicy):
         head = [r for r in feasible if r.tier < top]
         owed = [r for r in feasible if r.tier >= top and r.tier in deficit]
         other = [r for r in feasible if r.tier >= top and r.tier not in deficit]
-        return head + guard + owed + other + hopeless
+        return head + guard + no_inversion(owed + other, hopeless)
 
     def _split(self, reqs: list[Request], now: float) -> tuple[list[Request], list[Request]]:
         keyed = [(self.order_key(r), r) for r in reqs]
@@ -195,7 +196,20 @@ class SlackPolicy(OrderingPolicy):
 
     def _order(self, reqs: list[Request], now: float) -> list[Request]:
         feasible, hopeless = self._split(reqs, now)
-        return feasible + hopeless
+        return no_inversion(feasible, hopeless)
+
+
+def no_inversion(feasible: list[Request], hopeless: list[Request]) -> list[Request]:
+    """``feasible`` in order, with each hopeless request (``hopeless`` in order) moved
+    ahead of the first feasible request of a less urgent tier (DESIGN §5)."""
+    out: list[Request] = []
+    pending = list(hopeless)
+    for r in feasible:
+        if pending and any(h.tier < r.tier for h in pending):
+            out.extend(sorted((h for h in pending if h.tier < r.tier), key=lambda h: h.tier))
+            pending = [h for h in pending if h.tier >= r.tier]
+        out.append(r)
+    return out + pending
 
 
 class WfqPolicy(OrderingPolicy):

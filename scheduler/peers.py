@@ -16,6 +16,7 @@ from scheduler.policy import PolicyContext, SchedulingPolicy
 from scheduler.preemption import PreemptionPlan, PreemptMode, Victim, VictimView
 from scheduler.queues import HeapQueue, WaitQueue
 from scheduler.request import Request
+from scheduler.step_planner import is_started
 from scheduler.topology import WorkerInfo
 
 
@@ -70,7 +71,7 @@ class VllmPriorityPolicy(VllmFcfsPolicy):
         return sorted(reqs, key=lambda r: (r.tier, r.arrival_time))
 
     def make_queue(self) -> WaitQueue:
-        return HeapQueue(key=lambda r: (r.tier, r.arrival_time))
+        return HeapQueue(key=lambda r: (not is_started(r), r.tier, r.arrival_time))
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
                        now: float, requester_tier: int) -> PreemptionPlan:
@@ -129,8 +130,10 @@ class SglangLpmPolicy(SchedulingPolicy):
         return sorted(reqs, key=lambda r: (-self.match_len.get(r.req_id, 0), r.arrival_time))
 
     def make_queue(self) -> WaitQueue:
-        return HeapQueue(key=lambda r: (-self.match_len.get(r.req_id, 0), r.arrival_time),
-                         long_key=lambda r: (r.arrival_time,), long_threshold=self.LPM_FALLBACK)
+        return HeapQueue(key=lambda r: (not is_started(r), -self.match_len.get(r.req_id, 0),
+                                        r.arrival_time),
+                         long_key=lambda r: (not is_started(r), r.arrival_time),
+                         long_threshold=self.LPM_FALLBACK)
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
                        now: float, requester_tier: int) -> PreemptionPlan:
@@ -177,7 +180,7 @@ class DynamoPriorityPolicy(SchedulingPolicy):
         return sorted(reqs, key=lambda r: (r.tier, r.arrival_time))
 
     def make_queue(self) -> WaitQueue:
-        return HeapQueue(key=lambda r: (r.tier, r.arrival_time))
+        return HeapQueue(key=lambda r: (not is_started(r), r.tier, r.arrival_time))
 
     def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
                      prefill: WorkerInfo) -> DecodeChoice | None:

@@ -11,6 +11,10 @@ a function of a snapshot returning a plan that the caller applies:
 6. ``on_kv_pressure``: running requests need blocks the worker lacks: victims of tiers
    after the most urgent one that needs a block.
 7. ``tick``: every control interval, the deadline watcher and fair share.
+8. ``dispatch_horizon_s``: how much queued prefill work a worker may hold before the
+   cluster scheduler keeps a request in its own queue (None: no limit).
+9. ``compose_step``: a worker's next engine step (:mod:`scheduler.step_planner`): decodes,
+   prefill chunks, KV-pressure victims, swap-ins.
 
 :class:`TierservePolicy` is this project's design; the peer policies that
 reproduce vLLM, SGLang and Dynamo live in :mod:`scheduler.peers`, and
@@ -56,6 +60,14 @@ from scheduler.preemption import (
 )
 from scheduler.queues import HeapQueue, SlackQueue, SortedQueue, WaitQueue
 from scheduler.request import Request
+from scheduler.step_planner import (
+    MIN_CHUNK_TOKENS,
+    StepPlan,
+    StepView,
+    compose_budget_step,
+    compose_slo_step,
+    is_started,
+)
 from scheduler.tiers import TierConfig
 from scheduler.topology import LinkCosts, WorkerInfo
 
@@ -92,8 +104,18 @@ class SchedulingPolicy:
         return sorted(reqs, key=lambda r: r.arrival_time)
 
     def make_queue(self) -> WaitQueue:
-        """A worker's wait queue that hands out requests in this policy's order."""
-        return HeapQueue(key=lambda r: (r.arrival_time,))
+        """A wait queue that hands out requests in this policy's order (started prefills
+        first, as vLLM v1 schedules its running requests before its waiting ones)."""
+        return HeapQueue(key=lambda r: (not is_started(r), r.arrival_time))
+
+    def dispatch_horizon_s(self, req: Request) -> float | None:
+        """Queued prefill work (s) past which a worker gets no more requests; None: send
+        everything at once (the engine's own queue orders it, as in vLLM)."""
+        return None
+
+    def compose_step(self, view: StepView) -> StepPlan:
+        """A worker's next engine step; default: vLLM v1's token budget."""
+        return compose_budget_step(view, self)
 
     # Whether a request that cannot run now (no decode memory) lets later ones pass.
     skips_blocked = False
@@ -149,6 +171,9 @@ class TierservePolicy(SchedulingPolicy):
     placement, conditional preemption priced by topology and restore cost."""
 
     name = "tierserve"
+    # Admit while the predicted milestone is within this fraction past the target: a
+    # request that waits much longer misses anyway and only takes capacity from others.
+    ADMISSION_TOLERANCE = 0.25
 
     def __init__(self, ctx: PolicyContext, ordering: str = DEFAULT_ORDERING,
                  scorer: VictimScorer = VictimScorer.TOPOLOGY,
@@ -156,7 +181,7 @@ class TierservePolicy(SchedulingPolicy):
         super().__init__(ctx)
         self.watcher = DeadlineWatcher(ctx.tiers)
         self.ordering: OrderingPolicy = make_ordering(ordering, ctx.tiers, ctx.est, self.watcher)
-        self.admission = AdmissionController(ctx.tiers, ctx.est)
+        self.admission = AdmissionController(ctx.tiers, ctx.est, tolerance=self.ADMISSION_TOLERANCE)
         self.fair = FairShareController(ctx.tiers)
         self.ledger = ShareLedger(ctx.tiers.num_tiers)
         self.tails = TailTracker(ctx.tiers.num_tiers)
@@ -187,6 +212,21 @@ class TierservePolicy(SchedulingPolicy):
         if isinstance(self.ordering, SlackPolicy):
             return SlackQueue(self.ordering)
         return SortedQueue(self.ordering)
+
+    # A worker holds at most this many steps' worth of queued prefill work of the tiers
+    # after the tightest one; the rest waits where admission and ordering see all of it.
+    DISPATCH_HORIZON_STEPS = 4
+
+    def dispatch_horizon_s(self, req: Request) -> float | None:
+        if req.tier == 0:
+            return None  # the most urgent tier never waits for a dispatch
+        return self.DISPATCH_HORIZON_STEPS * self._slo_step_s
+
+    def compose_step(self, view: StepView) -> StepPlan:
+        cap = max(self._slo_step_s, view.costs.prefill_s(MIN_CHUNK_TOKENS, 0))
+        tiers = self.tiers
+        return compose_slo_step(view, self, step_cap_s=cap,
+                                tpot_of=lambda r: tiers[r.tier].tpot_s)
 
     skips_blocked = True
     # A prefill step may take at most this fraction of the tightest TTFT target, so

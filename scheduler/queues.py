@@ -200,7 +200,9 @@ class SlackQueue(WaitQueue):
             while heap and heap[0][2].req_id not in self.live:
                 heapq.heappop(heap)
 
-    def _pop_feasible(self, tiers: list[int], now: float) -> Request | None:
+    def _peek_feasible(self, tiers: list[int], now: float) -> Request | None:
+        """The best feasible request of ``tiers`` (left on its heap); heads that became
+        hopeless meanwhile are demoted on the way."""
         while True:
             best_t = -1
             best = None
@@ -214,10 +216,17 @@ class SlackQueue(WaitQueue):
                         best, best_t = key, t
             if best_t < 0:
                 return None
-            req = heapq.heappop(self._feasible[best_t])[4]
+            req = self._feasible[best_t][0][4]
             if self._lst[req.req_id] >= now:
                 return req
+            heapq.heappop(self._feasible[best_t])
             self._demote(best_t, req)  # became hopeless while below the top
+
+    def _pop_feasible(self, tiers: list[int], now: float) -> Request | None:
+        req = self._peek_feasible(tiers, now)
+        if req is not None:
+            heapq.heappop(self._feasible[req.tier])
+        return req
 
     def _pop_hopeless(self, tiers: list[int], now: float) -> Request | None:
         for t in tiers:
@@ -273,10 +282,30 @@ class SlackQueue(WaitQueue):
         deficit = [t for t in everyone if t in pol.deficit_tiers]
         rest = [t for t in everyone if t not in pol.deficit_tiers]
         owed = deficit if pol.DEFICIT_FEASIBLE_FIRST else []
-        for pop, group in ((self._pop_feasible, owed), (self._pop_feasible, everyone),
-                           (self._pop_hopeless, deficit), (self._pop_hopeless, rest)):
+        # 4. Feasible requests by key, but never ahead of a hopeless request of a more
+        # urgent tier (no tier inversion): before a feasible request of tier u, every
+        # hopeless request of the tiers before u.
+        for group in (owed, everyone):
             while True:
-                req = pop(group, now)
+                req = self._peek_feasible(group, now)
+                if req is None:
+                    break
+                for t in range(req.tier):
+                    while (h := self._pop_hopeless([t], now)) is not None:
+                        if h.req_id not in offered:
+                            offered.add(h.req_id)
+                            yield h
+                if self._peek_feasible(group, now) is not req:
+                    continue  # a consumer's push changed the heads: look again
+                heapq.heappop(self._feasible[req.tier])
+                if req.req_id in offered:
+                    continue
+                offered.add(req.req_id)
+                yield req
+        # 5. The remaining hopeless: deficit tiers first, then by tier.
+        for group in (deficit, rest):
+            while True:
+                req = self._pop_hopeless(group, now)
                 if req is None:
                     break
                 if req.req_id in offered:

@@ -70,9 +70,12 @@ def test_admission_accepts_queues_and_rejects_with_retry_after() -> None:
     d = adm.decide(t1, 0.0, flooded)
     # 0.19 s of tier-0 and 2.0 s of tier-1 work ahead, plus its own 0.05 s: past 2 s.
     assert d.kind is AdmissionKind.REJECT and d.retry_after_s == pytest.approx(0.24)
-    # Tier-0 work beyond its 0.2 s window is demoted behind: it does not count.
+    # Tier-0 work past its deadlines still runs first (no tier inversion): it counts.
     stale = LoadSnapshot([50.0, 0.0, 0.0, 0.0], 1, False)
-    assert adm.decide(t1, 0.0, stale).kind is AdmissionKind.QUEUE
+    assert adm.decide(t1, 0.0, stale).kind is AdmissionKind.REJECT
+    # Its own tier's work counts up to one deadline window: the rest is demoted behind.
+    own_flood = LoadSnapshot([0.0, 1.9, 0.0, 0.0], 1, False)
+    assert adm.decide(t1, 0.0, own_flood).kind is AdmissionKind.QUEUE
 
 
 def test_admission_sees_decode_memory_when_prefill_is_idle() -> None:
@@ -104,11 +107,16 @@ def test_admission_sees_decode_memory_when_prefill_is_idle() -> None:
     assert adm.kv_wait_s(t1, unknown) == 0.0
 
 
-def test_batch_tiers_are_never_rejected() -> None:
+def test_batch_tiers_are_rejected_only_past_their_long_deadlines() -> None:
     adm = AdmissionController(TIERS, EST)
     req = make_request("r", tier=3, arrival=0.0, prompt=500)
-    flooded = LoadSnapshot([0.0, 0.0, 0.0, 10_000.0], 1, False)
-    assert adm.decide(req, 0.0, flooded).kind is AdmissionKind.QUEUE
+    busy = LoadSnapshot([0.0, 100.0, 100.0, 100.0], 1, False)  # 300 s ahead of a 600 s bound
+    assert adm.decide(req, 0.0, busy).kind is AdmissionKind.QUEUE
+    flooded = LoadSnapshot([0.0, 1000.0, 1000.0, 0.0], 1, False)  # 2000 s ahead of it
+    assert adm.decide(req, 0.0, flooded).kind is AdmissionKind.REJECT
+    too_big = make_request("big", tier=3, arrival=0.0, prompt=500, out=10**7)
+    # Too big even on an idle worker: served best effort, never refused.
+    assert adm.decide(too_big, 0.0, flooded).kind is AdmissionKind.QUEUE
 
 
 def test_conditional_preemption_threshold() -> None:

@@ -30,13 +30,17 @@ def test_utility_falls_as_deadline_nears_and_penalises_preempted() -> None:
     assert [r.req_id for r in pol.order([pre, running], now=1.1)] == ["run", "pre"]
 
 
-def test_slack_serves_least_slack_first_and_demotes_hopeless() -> None:
+def test_slack_demotes_hopeless_within_its_tier_but_never_behind_a_lower_tier() -> None:
     pol = make_ordering("slack", TIERS, EST)
     t0 = make_request("t0", tier=0, arrival=0.0, prompt=100)  # deadline 0.2
     t1 = make_request("t1", tier=1, arrival=0.0, prompt=100)  # deadline 2.0
     late = make_request("late", tier=0, arrival=-1.0, prompt=100)  # deadline passed
-    order = [r.req_id for r in pol.order([late, t1, t0], now=0.05)]
-    assert order == ["t0", "t1", "late"]
+    t2 = make_request("t2", tier=2, arrival=0.0, prompt=100)
+    late1 = make_request("late1", tier=1, arrival=-9.0, prompt=100)  # deadline passed
+    order = [r.req_id for r in pol.order([late, t2, late1, t1, t0], now=0.05)]
+    # Hopeless tier 0 after feasible tier 0 but before feasible tier 1; hopeless tier 1
+    # after feasible tier 1 but before feasible tier 2 (DESIGN §5: no tier inversion).
+    assert order == ["t0", "late", "t1", "late1", "t2"]
 
 
 def test_slack_prefers_urgent_lower_tier_over_relaxed_higher_tier() -> None:

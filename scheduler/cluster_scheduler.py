@@ -1,0 +1,672 @@
+"""The cluster's scheduler: one plain, synchronous object every driver steps (DESIGN §2).
+
+Submissions, worker reports, RPC results and the time go in; a :class:`Plan` of
+dispatches, preemptions and aborts comes out. No I/O, no clock of its own: the global
+scheduler actor applies plans with concurrent RPCs, the simulator against its cost model
+and clock, the model checker by exploring them, so the policy measured in the simulator
+is the policy that serves. What each worker's engine runs step by step is decided by the
+same policy in :mod:`scheduler.step_planner`.
+
+Life of a request here (STYLE.md item 7):
+
+1. ``submit``: admission by the policy (accept into the wait queue, or reject with a
+   retry-after; a rejection of tier t sheds tiers t and after for a short window, so
+   lower tiers are shed first and the routers can shed before any RPC).
+2. ``plan``: the wait queue offers requests in policy order; each gets a route (a prefill
+   worker and a decode worker, or, in ``aggregated``/``auto`` mode, a prefill on the
+   decode worker itself) and its decode blocks, within the policy's dispatch horizon
+   (how much queued prefill work a worker may hold). No decode room: the policy may
+   preempt lower tiers there (``PreemptOrder``) and the request waits.
+3. ``on_dispatch_result``: the decode worker reserved the blocks (QUEUED -> PREFILLING)
+   or did not (back in the queue).
+4. ``on_report``: the workers' events move the request (TRANSFERRING, DECODING,
+   preempted, resumed, finished, aborted); free blocks, running requests, prefill
+   progress, prefix-cache events and fitted step costs refresh the view.
+5. ``abort`` / ``remove_worker``: ``AbortOrder`` for every worker that holds it; a
+   request the cluster gave up on carries an error its router reports or retries.
+
+Every state change goes through :func:`scheduler.request.transition` and reaches the
+optional observer (metrics, traces, "why was my request late").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
+from scheduler.messages import BlockEvent, ReqEvent, SubmitOutcome, WorkerEvent, WorkerReport
+from scheduler.placement import DecodeView, PrefillView
+from scheduler.policies import make_policy
+from scheduler.policy import PolicyContext, SchedulingPolicy
+from scheduler.preemption import PreemptMode, VictimView
+from scheduler.prefix_index import BlockRemoved, BlockStored, PrefixMirror
+from scheduler.queues import Verdict
+from scheduler.request import (
+    Decision,
+    DecisionRecord,
+    IllegalTransition,
+    Request,
+    RequestState,
+    transition,
+)
+from scheduler.step_costs import CPU_PRIOR, StepCosts
+from scheduler.tiers import TierConfig
+from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_class
+
+S = RequestState
+D = Decision
+# Longest a rejection sheds its tier (and the tiers after it) before admission looks again.
+SHED_WINDOW_S = 2.0
+
+
+class PoolMode(enum.Enum):
+    """Where prefills run (DESIGN §1: disaggregation is a decision, not a dogma)."""
+
+    DISAGGREGATED = "disaggregated"  # on prefill workers, KV streamed to the decode worker
+    AGGREGATED = "aggregated"  # on the decode worker itself
+    AUTO = "auto"  # per request, whichever predicts the earlier first token
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    req_id: str
+    tier: int
+    arrival_time: float
+    prompt_len: int
+    max_new_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    router_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    outcome: SubmitOutcome
+    reason: str = ""
+    retry_after_s: float | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.outcome is SubmitOutcome.ACCEPTED
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchOrder:
+    """Reserve ``num_blocks`` on the decode worker and prefill there
+    (``prefill_worker_id`` None) or on the prefill worker, which streams the KV over."""
+
+    req_id: str
+    decode_worker_id: str
+    prefill_worker_id: str | None
+    num_blocks: int
+    move_class: TopologyClass
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptOrder:
+    req_id: str
+    worker_id: str
+    mode: PreemptMode
+    for_req_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortOrder:
+    """Drop ``req_id`` on ``worker_ids``; ``error`` set: the cluster gave up on it and its
+    router (``router_id``) reports or retries it."""
+
+    req_id: str
+    worker_ids: tuple[str, ...]
+    error: str | None = None
+    router_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    dispatches: tuple[DispatchOrder, ...] = ()
+    preempts: tuple[PreemptOrder, ...] = ()
+    aborts: tuple[AbortOrder, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.dispatches or self.preempts or self.aborts)
+
+
+class SchedulerObserver(Protocol):
+    """Who hears about decisions (metrics, logs, traces); must not call back in."""
+
+    def on_decision(self, rec: DecisionRecord, tier: int) -> None: ...
+
+    def on_closed(self, req: Request) -> None: ...
+
+    def on_prefix_lookup(self, num_blocks: int, num_hit: int) -> None: ...
+
+
+@dataclass(slots=True)
+class WorkerSlot:
+    """The scheduler's view of one worker."""
+
+    info: WorkerInfo
+    can_prefill: bool
+    can_decode: bool
+    costs: StepCosts
+    num_free_blocks: int
+    is_alive: bool = True
+    # Decode side: request -> blocks it holds (or is promised) here.
+    held: dict[str, int] = field(default_factory=dict)
+    # Prefill side: request -> prompt tokens still to compute here.
+    prefill_left: dict[str, int] = field(default_factory=dict)
+    # Blocks promised by dispatches whose answer is not in yet.
+    num_promised: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_free_blocks - self.num_promised
+
+    def backlog_s(self) -> float:
+        left = sum(self.prefill_left.values())
+        return self.costs.prefill_s(left, 0) if left else 0.0
+
+
+@dataclass(slots=True)
+class _Entry:
+    req: Request
+    router_id: str
+    is_dispatching: bool = False
+    move_class: TopologyClass | None = None
+    num_blocks: int = 0
+
+
+class ClusterEstimate:
+    """ServiceEstimate over the live workers' fitted step costs (prefill: the workers
+    that prefill; decode: those that decode)."""
+
+    def __init__(self, sched: ClusterScheduler, prior: StepCosts) -> None:
+        self._sched = sched
+        self._prior = prior
+
+    def _pick(self, prefill: bool) -> list[StepCosts]:
+        out = [w.costs for w in self._sched.workers.values()
+               if w.is_alive and (w.can_prefill if prefill else w.can_decode)]
+        return out or [self._prior]
+
+    def prefill_s(self, num_new_tokens: int, num_context_tokens: int) -> float:
+        cs = self._pick(True)
+        return sum(c.prefill_s(num_new_tokens, num_context_tokens) for c in cs) / len(cs)
+
+    def decode_token_s(self) -> float:
+        cs = self._pick(False)
+        return sum(c.decode_token_s() for c in cs) / len(cs)
+
+
+class ClusterScheduler:
+    def __init__(self, tiers: TierConfig, policy: str | SchedulingPolicy, block_size: int,
+                 link_costs: LinkCosts, *, mode: PoolMode = PoolMode.DISAGGREGATED,
+                 cost_prior: Sequence[float] = CPU_PRIOR, chunk_tokens: int = 256,
+                 local_prefill_max_tokens: int = 1024,
+                 observer: SchedulerObserver | None = None) -> None:
+        self.tiers = tiers
+        self.block_size = block_size
+        self.mode = mode
+        self.cost_prior = tuple(cost_prior)
+        self.chunk_tokens = chunk_tokens
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.observer = observer
+        self.workers: dict[str, WorkerSlot] = {}
+        self.est = ClusterEstimate(self, self.new_costs())
+        self.policy: SchedulingPolicy = (
+            policy if isinstance(policy, SchedulingPolicy)
+            else make_policy(policy, PolicyContext(tiers, self.est, link_costs, block_size)))
+        self.queue = self.policy.make_queue()
+        self.live: dict[str, _Entry] = {}
+        self.mirror = PrefixMirror()
+        self._shed_until = [float("-inf")] * tiers.num_tiers
+        self._aborts: list[AbortOrder] = []
+        self._preempts: list[PreemptOrder] = []
+        self._last_tick = float("-inf")
+        self.num_preemptions = 0
+
+    def new_costs(self) -> StepCosts:
+        return StepCosts(self.cost_prior, chunk_tokens=self.chunk_tokens)
+
+    # -- workers ---------------------------------------------------------------------
+
+    def add_worker(self, info: WorkerInfo, num_free_blocks: int, *, can_prefill: bool,
+                   can_decode: bool) -> WorkerSlot:
+        slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks)
+        self.workers[info.worker_id] = slot
+        return slot
+
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        """A worker died: every request it held ends with ``worker_failed`` (its router
+        retries it by recompute on the live workers). Returns those request ids."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.is_alive:
+            return []
+        w.is_alive = False
+        self.mirror.drop_worker(worker_id)
+        lost = [rid for rid, e in self.live.items()
+                if worker_id in (e.req.prefill_worker_id, e.req.decode_worker_id)]
+        for rid in lost:
+            self._end(rid, now, D.WORKER_FAILED, f"worker:{worker_id}", error="worker_failed",
+                      skip_worker=worker_id)
+        return lost
+
+    def _prefill_slots(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if w.is_alive and w.can_prefill
+                and not w.can_decode]
+
+    def _decode_slots(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if w.is_alive and w.can_decode]
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(self, nr: NewRequest, now: float) -> Admission:
+        if nr.req_id in self.live:
+            return Admission(SubmitOutcome.INVALID, "duplicate request id")
+        if not 0 <= nr.tier < self.tiers.num_tiers:
+            return Admission(SubmitOutcome.INVALID, f"tier {nr.tier} is not configured")
+        if not self._decode_slots() or (self.mode is PoolMode.DISAGGREGATED
+                                        and not self._prefill_slots()):
+            return Admission(SubmitOutcome.UNAVAILABLE, "no live prefill or decode worker")
+        req = Request(nr.req_id, nr.tier, nr.arrival_time, nr.prompt_len, nr.max_new_tokens,
+                      block_hashes=nr.block_hashes)
+        if now < self._shed_until[nr.tier]:
+            return self._reject(req, now, "shed", self._shed_until[nr.tier] - now)
+        decision = self.policy.admit(req, now, self._load())
+        if decision.kind is AdmissionKind.REJECT:
+            retry = decision.retry_after_s or 1.0
+            until = now + min(retry, SHED_WINDOW_S)
+            for t in range(nr.tier, self.tiers.num_tiers):
+                self._shed_until[t] = max(self._shed_until[t], until)
+            return self._reject(req, now, decision.reason.value, retry)
+        self.policy.record_demand(req.tier, req.prompt_len + req.max_new_tokens, now)
+        self.live[req.req_id] = _Entry(req, nr.router_id)
+        self.queue.push(req, now)
+        return Admission(SubmitOutcome.ACCEPTED)
+
+    def _reject(self, req: Request, now: float, reason: str, retry_s: float) -> Admission:
+        rec = transition(req, S.REJECTED, decision=D.REJECT,
+                         triggered_by=f"admission:{reason}", now=now)
+        if self.observer is not None:
+            self.observer.on_decision(rec, req.tier)
+            self.observer.on_closed(req)
+        return Admission(SubmitOutcome.REJECTED, reason, retry_s)
+
+    def shed_s_by_tier(self, now: float) -> tuple[float, ...]:
+        """Per tier: how long new arrivals are shed for (0: admitted as usual)."""
+        return tuple(max(0.0, t - now) for t in self._shed_until)
+
+    def abort(self, req_id: str, now: float, decision: Decision = D.CLIENT_GONE,
+              by: str = "router:abort", error: str | None = None) -> None:
+        """End the request everywhere: its queue slot, its workers' blocks, its books."""
+        if req_id in self.live:
+            self._end(req_id, now, decision, by, error=error)
+
+    def get(self, req_id: str) -> Request | None:
+        e = self.live.get(req_id)
+        return None if e is None else e.req
+
+    def waiting(self) -> list[Request]:
+        return self.queue.requests()
+
+    # -- the plan --------------------------------------------------------------------
+
+    def plan(self, now: float) -> Plan:
+        if now - self._last_tick >= self.tiers.control_interval_s:
+            self._last_tick = now
+            self.policy.tick(now, self.queue.requests())
+        dispatches: list[DispatchOrder] = []
+        if len(self.queue):
+            blocked: dict[int, int] = {}  # tier -> smallest need that found no room
+
+            def accept(req: Request) -> Verdict:
+                order = self._route(req, now, blocked)
+                if order is None:
+                    return Verdict.SKIP if self.policy.skips_blocked else Verdict.STOP
+                dispatches.append(order)
+                return Verdict.TAKE
+
+            self.queue.take(now, accept)
+        aborts, self._aborts = self._aborts, []
+        preempts, self._preempts = self._preempts, []
+        return Plan(tuple(dispatches), tuple(preempts), tuple(aborts))
+
+    def _route(self, req: Request, now: float, blocked: dict[int, int]) -> DispatchOrder | None:
+        need = -(-(req.num_context_tokens + 1) // self.block_size)
+        if any(t <= req.tier and n <= need for t, n in blocked.items()):
+            return None  # a more urgent (or as urgent) smaller request found no room
+        decode = self._decode_slots()
+        remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
+        if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
+            self._end(req.req_id, now, D.ERROR, "placement:no_worker",
+                      error="no live prefill or decode worker")
+            return None
+        matches = self.mirror.match_lens(req.block_hashes,
+                                         [w.worker_id for w in self.workers.values()
+                                          if w.is_alive])
+        if not remote:
+            # Aggregated: the decode worker prefills too; pick by its queued prefill and
+            # prefix hits among the workers the policy's decode placement accepts.
+            ok = [PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0))
+                  for w in decode
+                  if self.policy.place_decode(req, need, [self._dview(w)], w.info) is not None]
+            lp = self.policy.place_prefill(req, ok) if ok else None
+            if lp is None:
+                blocked[req.tier] = min(need, blocked.get(req.tier, need))
+                self._maybe_preempt(req, need, decode, decode[0].info, now)
+                return None
+            dslot, prefill_slot = self.workers[lp.info.worker_id], None
+        else:
+            views = [PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0))
+                     for w in remote]
+            pv = self.policy.place_prefill(req, views)
+            if pv is None:
+                return None
+            choice = self.policy.place_decode(req, need, [self._dview(w) for w in decode],
+                                              pv.info)
+            if choice is None:
+                blocked[req.tier] = min(need, blocked.get(req.tier, need))
+                self._maybe_preempt(req, need, decode, pv.info, now)
+                return None
+            dslot = self.workers[choice.view.info.worker_id]
+            prefill_slot = self._choose_prefill_site(req, dslot, self.workers[pv.info.worker_id],
+                                                     matches)
+        horizon = self.policy.dispatch_horizon_s(req)
+        target = prefill_slot or dslot
+        if horizon is not None and target.backlog_s() > horizon:
+            return None
+        target.prefill_left[req.req_id] = max(req.num_context_tokens, 1)
+        dslot.held[req.req_id] = need
+        dslot.num_promised += need
+        entry = self.live[req.req_id]
+        entry.is_dispatching = True
+        entry.num_blocks = need
+        cls = (topology_class(prefill_slot.info, dslot.info) if prefill_slot is not None
+               else TopologyClass.SAME_DEVICE)
+        entry.move_class = cls
+        req.prefill_worker_id = prefill_slot.worker_id if prefill_slot is not None else dslot.worker_id
+        req.decode_worker_id = dslot.worker_id
+        if self.observer is not None:
+            hit = matches.get(target.worker_id, 0)
+            self.observer.on_prefix_lookup(len(req.block_hashes), min(hit, len(req.block_hashes)))
+        return DispatchOrder(req.req_id, dslot.worker_id,
+                             prefill_slot.worker_id if prefill_slot is not None else None,
+                             need, cls)
+
+    def _dview(self, w: WorkerSlot) -> DecodeView:
+        return DecodeView(w.info, w.free_blocks, len(w.held))
+
+    def _choose_prefill_site(self, req: Request, dslot: WorkerSlot, rslot: WorkerSlot,
+                             matches: dict[str, int]) -> WorkerSlot | None:
+        """The prefill worker, or None (``auto``) for a prefill on the decode worker itself
+        when that predicts the earlier first token (short prompts, busy prefill pool)."""
+        if self.mode is PoolMode.DISAGGREGATED:
+            return rslot
+        bs = self.block_size
+        todo = req.num_context_tokens
+        hit_r = min(matches.get(rslot.worker_id, 0) * bs, max(todo - 1, 0))
+        hit_l = min(matches.get(dslot.worker_id, 0) * bs, max(todo - 1, 0))
+        if todo - hit_l > self.local_prefill_max_tokens:
+            return rslot
+        cls = topology_class(rslot.info, dslot.info)
+        move = self.policy.ctx.costs.move_s(-(-todo // bs), cls)
+        remote_t = rslot.backlog_s() + rslot.costs.prefill_s(todo - hit_r, hit_r) + move
+        # A local prefill shares the decode worker's steps with its decodes.
+        share = 2.0 if dslot.held else 1.0
+        local_t = (dslot.backlog_s() + dslot.costs.prefill_s(todo - hit_l, hit_l)) * share
+        return None if local_t <= remote_t else rslot
+
+    def _maybe_preempt(self, req: Request, need: int, decode: list[WorkerSlot],
+                       anchor: WorkerInfo, now: float) -> None:
+        ordered = sorted(decode, key=lambda w: topology_class(anchor, w.info)
+                         is not TopologyClass.SAME_DOMAIN)
+        for w in ordered:
+            cands = [VictimView(self.live[rid].req, w.info, n) for rid, n in w.held.items()
+                     if rid in self.live and self.live[rid].req.state is S.DECODING
+                     and not any(p.req_id == rid for p in self._preempts)]
+            if not cands:
+                continue
+            plan = self.policy.preempt_for(req, need, w.free_blocks, cands, now)
+            if plan is None or not plan.victims:
+                continue
+            for v in plan.victims:
+                mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
+                self._preempts.append(PreemptOrder(v.req_id, w.worker_id, mode, req.req_id))
+                # Anti-thrash: the kernel reads last_preempt_time before the report.
+                self.live[v.req_id].req.last_preempt_time = now
+            return
+
+    # -- results and reports ---------------------------------------------------------
+
+    def on_dispatch_result(self, req_id: str, ok: bool, now: float, *,
+                           num_free_blocks: int | None = None, num_cached_blocks: int = 0,
+                           reason: str = "") -> None:
+        e = self.live.get(req_id)
+        if e is None or not e.is_dispatching:
+            return
+        e.is_dispatching = False
+        req = e.req
+        dslot = self.workers.get(req.decode_worker_id or "")
+        if dslot is not None:
+            dslot.num_promised = max(0, dslot.num_promised - e.num_blocks)
+            if num_free_blocks is not None:
+                dslot.num_free_blocks = num_free_blocks
+        if ok:
+            if dslot is not None and num_free_blocks is None:
+                dslot.num_free_blocks -= e.num_blocks
+            mem = 0.0 if dslot is None else 1.0 - dslot.free_blocks / max(dslot.info.num_kv_blocks, 1)
+            self._move(req_id, S.PREFILLING, D.SCHEDULE_PREFILL, now,
+                       f"placement:{req.prefill_worker_id}->{req.decode_worker_id}",
+                       mem=mem, kv_reuse_hit=num_cached_blocks)
+            return
+        # Refused (a stale view of its free blocks, or the worker is going away): requeue.
+        for w in self.workers.values():
+            w.prefill_left.pop(req_id, None)
+            w.held.pop(req_id, None)
+        req.prefill_worker_id = req.decode_worker_id = None
+        self.queue.push(req, now)
+
+    def on_report(self, rep: WorkerReport, now: float) -> None:
+        w = self.workers.get(rep.worker_id)
+        if w is None or not w.is_alive:
+            return
+        w.num_free_blocks = rep.num_free_blocks
+        if rep.step_costs:
+            w.costs.load_tuple(rep.step_costs)
+        for be in rep.block_events:
+            self._apply_block_event(w.worker_id, be)
+        for ev in rep.events:
+            self._on_event(w, ev, now)
+        # Running requests as the worker holds them (dispatches in flight keep theirs).
+        seen = set()
+        for r in rep.running:
+            seen.add(r.req_id)
+            e = self.live.get(r.req_id)
+            if e is None:
+                continue
+            if w.can_decode and r.req_id in w.held:
+                w.held[r.req_id] = r.num_blocks
+                e.req.num_output_tokens = max(e.req.num_output_tokens, r.num_output_tokens)
+            if r.num_prefill_left > 0:
+                w.prefill_left[r.req_id] = r.num_prefill_left
+            else:
+                w.prefill_left.pop(r.req_id, None)
+
+    def _apply_block_event(self, wid: str, be: BlockEvent) -> None:
+        if be.stored:
+            self.mirror.apply(wid, BlockStored(list(be.block_hashes), be.parent_hash))
+        else:
+            self.mirror.apply(wid, BlockRemoved(list(be.block_hashes)))
+
+    def _on_event(self, w: WorkerSlot, ev: ReqEvent, now: float) -> None:
+        rid = ev.req_id
+        e = self.live.get(rid)
+        if e is None:
+            return
+        by = f"{'decode' if w.can_decode else 'prefill'}:{w.worker_id}"
+        mem = 1.0 - w.free_blocks / max(w.info.num_kv_blocks, 1)
+        kind = ev.event
+        req = e.req
+        if kind is WorkerEvent.PREFILL_DONE:
+            for slot in self.workers.values():
+                slot.prefill_left.pop(rid, None)
+            if req.first_token_time is None:
+                req.first_token_time = ev.time
+            req.num_output_tokens = max(req.num_output_tokens, 1)
+            local = req.prefill_worker_id == req.decode_worker_id
+            if local:
+                self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
+            else:
+                self._move(rid, S.TRANSFERRING, D.START_TRANSFER, ev.time, by, mem=mem)
+        elif kind is WorkerEvent.DECODE_START:
+            self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
+        elif kind in (WorkerEvent.FINISHED_STOP, WorkerEvent.FINISHED_LENGTH):
+            if req.state is S.PREFILLING:
+                pass  # first token was the last: PREFILLING -> FINISHED is allowed
+            d = D.FINISH_LENGTH if kind is WorkerEvent.FINISHED_LENGTH else D.FINISH_STOP
+            to = S.FINISHED_LENGTH if kind is WorkerEvent.FINISHED_LENGTH else S.FINISHED_STOPPED
+            if req.state is S.TRANSFERRING:
+                self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
+            self._move(rid, to, d, ev.time, by, mem=mem)
+            self._close(rid)
+        elif kind in (WorkerEvent.PREEMPTED_SWAP, WorkerEvent.PREEMPTED_RECOMPUTE):
+            swap = kind is WorkerEvent.PREEMPTED_SWAP
+            d = D.PREEMPT_SWAP if swap else D.PREEMPT_RECOMPUTE
+            self.num_preemptions += 1
+            blocker = ev.for_req_id
+            why = f"{'preempt_for' if blocker else 'kv_pressure'}:{w.worker_id}"
+            self._move(rid, S.PREEMPTING, d, ev.time, why, mem=mem, blocking=blocker)
+            self._move(rid, S.PREEMPTED, D.PREEMPT_DONE, ev.time, why, mem=mem, blocking=blocker)
+            w.held[rid] = 0 if not swap else w.held.get(rid, 0)
+        elif kind is WorkerEvent.RESUMED_SWAP:
+            self._move(rid, S.DECODING, D.RESUME_SWAP_IN, ev.time, by, mem=mem)
+        elif kind is WorkerEvent.RESUMED_RECOMPUTE:
+            if req.state is S.PREEMPTED:
+                self._move(rid, S.DECODING, D.RESUME_RECOMPUTE, ev.time, by, mem=mem)
+        elif kind is WorkerEvent.TRANSFER_FAILED:
+            self._end(rid, now, D.TRANSFER_FAILED, by, error="transfer_failed",
+                      skip_worker=None)
+        elif kind is WorkerEvent.ABORTED:
+            client = ev.reason == "reader_gone"
+            self._end(rid, now, D.CLIENT_GONE if client else D.ERROR, by,
+                      error=None if client else (ev.reason or "aborted"))
+
+    def on_router_finish(self, req_id: str, outcome: str, now: float, *,
+                         num_output_tokens: int) -> None:
+        """The router saw the request end: close it if no worker event did yet."""
+        e = self.live.get(req_id)
+        if e is None:
+            return
+        e.req.num_output_tokens = max(e.req.num_output_tokens, num_output_tokens)
+        if outcome in ("stop", "length"):
+            if e.req.state in (S.PREFILLING, S.TRANSFERRING) and e.req.num_output_tokens > 1:
+                self._move(req_id, S.DECODING, D.START_DECODE, now, "router:finish")
+            to = S.FINISHED_LENGTH if outcome == "length" else S.FINISHED_STOPPED
+            d = D.FINISH_LENGTH if outcome == "length" else D.FINISH_STOP
+            if e.req.state in (S.QUEUED,):
+                self._end(req_id, now, D.ERROR, "router:finish")
+                return
+            self._move(req_id, to, d, now, "router:finish")
+            self._close(req_id)
+        else:
+            self._end(req_id, now, D.CLIENT_GONE if outcome == "client_gone" else D.ERROR,
+                      f"router:{outcome}")
+
+    # -- internals -------------------------------------------------------------------
+
+    def _end(self, rid: str, now: float, decision: Decision, by: str, *,
+             error: str | None = None, skip_worker: str | None = None) -> None:
+        e = self.live.get(rid)
+        if e is None:
+            return
+        self.queue.remove(rid)
+        holders = tuple(w for w in {e.req.prefill_worker_id, e.req.decode_worker_id}
+                        if w is not None and w != skip_worker
+                        and self.workers.get(w) is not None and self.workers[w].is_alive)
+        if holders or error is not None:
+            self._aborts.append(AbortOrder(rid, holders, error, e.router_id))
+        self._move(rid, S.ABORTED, decision, now, by)
+        self._close(rid)
+
+    def _move(self, rid: str, to: RequestState, decision: Decision, now: float, by: str, *,
+              mem: float = 0.0, kv_reuse_hit: int = 0, blocking: str | None = None) -> None:
+        e = self.live.get(rid)
+        if e is None or e.req.state is to or e.req.state.is_finished:
+            return
+        try:
+            rec = transition(e.req, to, decision=decision, triggered_by=by, now=now,
+                             mem_pressure=mem, kv_reuse_hit=kv_reuse_hit,
+                             blocking_req_id=blocking)
+        except IllegalTransition:
+            return  # a late event for a state already left
+        if self.observer is not None:
+            self.observer.on_decision(rec, e.req.tier)
+
+    def _close(self, rid: str) -> None:
+        e = self.live.pop(rid, None)
+        if e is None:
+            return
+        self.queue.remove(rid)
+        for w in self.workers.values():
+            w.prefill_left.pop(rid, None)
+            if rid in w.held:
+                n = w.held.pop(rid)
+                if e.is_dispatching:
+                    w.num_promised = max(0, w.num_promised - n)
+        if self.observer is not None:
+            self.observer.on_closed(e.req)
+
+    def entries(self) -> Iterable[tuple[Request, str, TopologyClass | None]]:
+        for e in self.live.values():
+            yield e.req, e.router_id, e.move_class
+
+    def router_of(self, req_id: str) -> str:
+        e = self.live.get(req_id)
+        return "" if e is None else e.router_id
+
+    def _load(self) -> LoadSnapshot:
+        n = self.tiers.num_tiers
+        backlog = [0.0] * n
+        queued = [0] * n
+        est = self.est
+        for req in self.queue.requests():
+            backlog[req.tier] += est.prefill_s(max(req.num_context_tokens, 1), 0)
+            queued[req.tier] += -(-(req.num_context_tokens + 1) // self.block_size)
+        prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
+                      else [w for w in self.workers.values() if w.is_alive])
+        for w in prefillers:
+            for rid, left in w.prefill_left.items():
+                e = self.live.get(rid)
+                if e is not None and left > 0:
+                    backlog[e.req.tier] += w.costs.prefill_s(left, 0)
+        held = [0] * n
+        pairs = []
+        decode = self._decode_slots()
+        for w in decode:
+            for rid, blocks in w.held.items():
+                e = self.live.get(rid)
+                if e is not None:
+                    held[e.req.tier] += blocks
+                    pairs.append((blocks, e.req.max_new_tokens))
+        has_room = any(w.free_blocks > 0 for w in decode)
+        idle = any(not w.prefill_left for w in prefillers)
+        return LoadSnapshot(backlog, max(len(prefillers), 1),
+                            has_room and idle and not len(self.queue), queued, held,
+                            sum(max(w.free_blocks, 0) for w in decode),
+                            kv_release_rate(pairs, est.decode_token_s()), self.block_size)
+
+
+def event_kind_for_preempt(mode: PreemptMode) -> WorkerEvent:
+    return WorkerEvent.PREEMPTED_SWAP if mode is PreemptMode.SWAP else WorkerEvent.PREEMPTED_RECOMPUTE
+
+
+__all__ = ["Admission", "AbortOrder", "ClusterScheduler", "DispatchOrder", "NewRequest",
+           "Plan", "PoolMode", "PreemptOrder", "ReqEvent", "SchedulerObserver", "WorkerSlot",
+           "event_kind_for_preempt"]

@@ -1,0 +1,423 @@
+"""Typed messages between the router, the global scheduler and the workers (DESIGN §2, §7).
+
+Every message that crosses a process boundary is one of the frozen dataclasses below,
+registered under a short tag. :func:`encode` packs it as msgpack ``[tag, field, ...]``
+(nested messages, tuples, enums and plain values only); :func:`decode` rebuilds it and
+refuses anything that is not a registered message, so nothing is ever unpickled and a
+malformed frame raises :class:`MessageError` instead of running code.
+
+The flows, in the order a request meets them::
+
+    router ──SubmitBatch──▶ scheduler ──SubmitAnswers──▶ router
+    scheduler ──Dispatch──▶ decode worker ──DispatchAnswer──▶ scheduler
+    decode worker ──StartPrefill──▶ prefill worker          (disaggregated prefill)
+    prefill worker ──PrefilledBatch──▶ decode worker          (first tokens of one step)
+    decode worker ──TokenBatch──▶ router                      (one message per step)
+    workers ──WorkerReport──▶ scheduler                       (events, blocks, step costs)
+    router ──FinishBatch──▶ scheduler                         (client-side timings)
+    scheduler ──NoticeBatch──▶ router                         (requests ended by the cluster)
+
+This module sits at the bottom floor so every package can share it; it imports only
+msgpack and the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+
+class MessageError(ValueError):
+    """A frame that is not a well-formed registered message."""
+
+
+_REGISTRY: dict[str, type] = {}
+_TAGS: dict[type, str] = {}
+_ENUMS: dict[str, type[enum.Enum]] = {}
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+T = TypeVar("T")
+
+
+def message(tag: str):  # noqa: ANN201 - a class decorator
+    """Register a frozen dataclass as a wire message under ``tag``."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        if tag in _REGISTRY:
+            raise TypeError(f"message tag {tag!r} registered twice")
+        _REGISTRY[tag] = cls
+        _TAGS[cls] = tag
+        return cls
+
+    return wrap
+
+
+def wire_enum(cls: type[enum.Enum]) -> type[enum.Enum]:
+    _ENUMS[cls.__name__] = cls
+    return cls
+
+
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    got = _FIELDS.get(cls)
+    if got is None:
+        hints = typing.get_type_hints(cls)
+        got = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        _FIELDS[cls] = got
+    return got
+
+
+def _to_wire(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    tag = _TAGS.get(type(value))
+    if tag is not None:
+        return [tag, *(_to_wire(getattr(value, name)) for name, _ in _fields(type(value)))]
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    raise MessageError(f"cannot encode a {type(value).__name__}")
+
+
+def _from_wire(raw: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        if raw is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _from_wire(raw, inner[0]) if len(inner) == 1 else raw
+    if hint is Any:
+        return raw
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(raw)
+        except ValueError:
+            raise MessageError(f"{raw!r} is not a {hint.__name__}") from None
+    if isinstance(hint, type) and hint in _TAGS:
+        return _build(raw, expect=hint)
+    if origin is tuple:
+        if not isinstance(raw, (list, tuple)):
+            raise MessageError(f"expected a list, got {type(raw).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] is int:  # token ids: the hot case, checked in one pass
+                if not all(type(v) is int for v in raw):
+                    raise MessageError("expected a list of integers")
+                return tuple(raw)
+            return tuple(_from_wire(v, args[0]) for v in raw)
+        if len(args) != len(raw):
+            raise MessageError(f"expected {len(args)} items, got {len(raw)}")
+        return tuple(_from_wire(v, a) for v, a in zip(raw, args, strict=True))
+    if origin is dict:
+        if not isinstance(raw, dict):
+            raise MessageError(f"expected a map, got {type(raw).__name__}")
+        return {_from_wire(k, args[0]): _from_wire(v, args[1]) for k, v in raw.items()}
+    if hint is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise MessageError(f"expected a number, got {type(raw).__name__}")
+        return float(raw)
+    if hint in (int, str, bool, bytes):
+        if not isinstance(raw, hint) or (hint is int and isinstance(raw, bool)):
+            raise MessageError(f"expected {hint.__name__}, got {type(raw).__name__}")
+        return raw
+    return raw
+
+
+def _build(raw: Any, expect: type | None = None) -> Any:
+    if not isinstance(raw, (list, tuple)) or not raw or not isinstance(raw[0], str):
+        raise MessageError("a message is a list headed by its tag")
+    cls = _REGISTRY.get(raw[0])
+    if cls is None:
+        raise MessageError(f"unknown message tag {raw[0]!r}")
+    if expect is not None and cls is not expect:
+        raise MessageError(f"expected a {expect.__name__}, got a {cls.__name__}")
+    fields = _fields(cls)
+    if len(raw) - 1 != len(fields):
+        raise MessageError(f"{cls.__name__}: {len(raw) - 1} fields, expected {len(fields)}")
+    kwargs = {}
+    for (name, hint), value in zip(fields, raw[1:], strict=True):
+        try:
+            kwargs[name] = _from_wire(value, hint)
+        except MessageError as e:
+            raise MessageError(f"{cls.__name__}.{name}: {e}") from None
+    return cls(**kwargs)
+
+
+def encode(msg: Any) -> bytes:
+    """A registered message as msgpack bytes."""
+    if type(msg) not in _TAGS:
+        raise MessageError(f"{type(msg).__name__} is not a registered message")
+    return msgpack.packb(_to_wire(msg), use_bin_type=True)
+
+
+def decode(data: bytes, expect: type[T] | None = None) -> T:
+    """Bytes back into the message; ``expect`` refuses any other kind."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise MessageError(f"not msgpack: {e}") from None
+    return _build(raw, expect)  # type: ignore[return-value]
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+@message("samp")
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@message("gen")
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    """One request as the cluster runs it: prompt tokens, sampling, tier, who streams it."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    tier: int
+    tenant: str
+    arrival_time: float
+    # Token ids that end generation besides the model's EOS (stop strings are the router's).
+    stop_token_ids: tuple[int, ...] = ()
+    # The router replica whose token subscription carries this request's output.
+    router_id: str = ""
+
+
+@message("sub")
+@dataclass(frozen=True, slots=True)
+class SubmitBatch:
+    specs: tuple[GenerationSpec, ...]
+
+
+@wire_enum
+class SubmitOutcome(enum.Enum):
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"  # admission (overload): 429 with retry-after
+    INVALID = "invalid"  # the request can never run (tier, duplicate id): 400
+    UNAVAILABLE = "unavailable"  # no live worker: 503
+
+
+@message("ans")
+@dataclass(frozen=True, slots=True)
+class SubmitAnswer:
+    req_id: str
+    outcome: SubmitOutcome
+    reason: str = ""
+    retry_after_s: float | None = None
+
+
+@message("anss")
+@dataclass(frozen=True, slots=True)
+class SubmitAnswers:
+    answers: tuple[SubmitAnswer, ...]
+    # Per tier: seconds new arrivals of that tier are shed for (router-side), 0 if open.
+    shed_s_by_tier: tuple[float, ...] = ()
+
+
+# -- placement -----------------------------------------------------------------------
+
+
+@message("disp")
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Scheduler -> decode worker: reserve the request's blocks and get it prefilled,
+    on ``prefill_worker_id`` (KV streamed here) or, when None, on this worker itself."""
+
+    spec: GenerationSpec
+    prefill_worker_id: str | None
+    num_blocks: int
+    # Prompt plus tokens already streamed to the client (a recompute after a failure).
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+
+
+@message("dans")
+@dataclass(frozen=True, slots=True)
+class DispatchAnswer:
+    req_id: str
+    ok: bool
+    num_free_blocks: int
+    num_cached_blocks: int = 0
+    reason: str = ""
+
+
+@message("start")
+@dataclass(frozen=True, slots=True)
+class StartPrefill:
+    """Decode worker -> prefill worker: prefill ``spec`` into the slots ``ticket`` names."""
+
+    spec: GenerationSpec
+    decode_worker_id: str
+    ticket: dict[str, Any]
+
+
+@message("pre1")
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    req_id: str
+    first_token: int
+    finish: str | None = None  # the first token is also the last ("stop" | "length")
+    time: float = 0.0
+
+
+@message("pres")
+@dataclass(frozen=True, slots=True)
+class PrefilledBatch:
+    """Prefill worker -> one decode worker: the first tokens one step produced."""
+
+    items: tuple[Prefilled, ...]
+
+
+# -- tokens --------------------------------------------------------------------------
+
+
+@message("tok")
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output tokens of one request; ``finish`` on its last delta, ``error`` when the
+    cluster gave up on it (the router retries or reports)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    finish: str | None = None
+    error: str | None = None
+
+
+@message("toks")
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Decode worker -> one router replica: every token of one step for that router."""
+
+    worker_id: str
+    deltas: tuple[TokenDelta, ...]
+
+
+@message("fin")
+@dataclass(frozen=True, slots=True)
+class FinishTiming:
+    """The router's view of an ended request (times are ``time.time()`` seconds)."""
+
+    req_id: str
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+    num_output_tokens: int
+    outcome: str  # "stop" | "length" | "client_gone" | an error kind
+
+
+@message("fins")
+@dataclass(frozen=True, slots=True)
+class FinishBatch:
+    items: tuple[FinishTiming, ...]
+
+
+@message("note")
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Scheduler -> router: the cluster ended ``req_id`` with ``error`` (router retries it
+    from the tokens it has, or reports it)."""
+
+    req_id: str
+    error: str
+    retryable: bool = True
+
+
+@message("notes")
+@dataclass(frozen=True, slots=True)
+class NoticeBatch:
+    notices: tuple[Notice, ...]
+    shed_s_by_tier: tuple[float, ...] = ()
+
+
+# -- worker reports ------------------------------------------------------------------
+
+
+@wire_enum
+class WorkerEvent(enum.Enum):
+    PREFILL_DONE = "prefill_done"  # first token sampled, KV on its way: -> TRANSFERRING
+    DECODE_START = "decode_start"  # decode worker added the prefilled request: -> DECODING
+    FINISHED_STOP = "finished_stop"
+    FINISHED_LENGTH = "finished_length"
+    PREEMPTED_SWAP = "preempted_swap"
+    PREEMPTED_RECOMPUTE = "preempted_recompute"
+    RESUMED_SWAP = "resumed_swap"
+    RESUMED_RECOMPUTE = "resumed_recompute"
+    ABORTED = "aborted"
+    TRANSFER_FAILED = "transfer_failed"
+
+
+@message("ev")
+@dataclass(frozen=True, slots=True)
+class ReqEvent:
+    req_id: str
+    event: WorkerEvent
+    time: float
+    for_req_id: str | None = None  # preemptions: the request it made room for
+    reason: str = ""
+
+
+@message("blk")
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    stored: bool  # True: the blocks were cached; False: evicted
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+
+
+@message("xfer")
+@dataclass(frozen=True, slots=True)
+class TransferStat:
+    req_id: str
+    num_bytes: int
+    duration_s: float
+    end_time: float
+    topology: str
+
+
+@message("run")
+@dataclass(frozen=True, slots=True)
+class RunningReq:
+    """A request that holds KV on the reporting worker."""
+
+    req_id: str
+    num_blocks: int
+    num_output_tokens: int
+    num_prefill_left: int = 0  # prompt tokens still to compute here
+
+
+@message("rep")
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    worker_id: str
+    num_free_blocks: int
+    num_total_blocks: int
+    events: tuple[ReqEvent, ...] = ()
+    block_events: tuple[BlockEvent, ...] = ()
+    transfers: tuple[TransferStat, ...] = ()
+    running: tuple[RunningReq, ...] = ()
+    # The worker's fitted step cost model (scheduler.step_costs.StepCosts.to_tuple()).
+    step_costs: tuple[float, ...] = ()
+    num_steps: int = 0
+
+
+@message("abrt")
+@dataclass(frozen=True, slots=True)
+class AbortBatch:
+    req_ids: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,405 @@
+"""One worker's next engine step: which prefill chunks and which decodes run in it.
+
+The global scheduler (:mod:`scheduler.cluster_scheduler`) decides where a request runs;
+this module decides, step by step, what a worker's engine runs, so nothing orders
+requests first come first served between the policy and the engine (DESIGN §2). Real
+workers and the simulator's workers both hold a :class:`WorkerScheduler` and execute the
+:class:`StepPlan` it returns.
+
+Life of a request on one worker's scheduler (STYLE.md item 7):
+
+1. ``add_prefill``: a request whose prompt (or prompt + output, on recompute) is computed
+   here joins the worker's wait queue, ordered by the policy (``policy.make_queue()``).
+2. ``plan``: the policy composes the step (``policy.compose_step``): the decode batch, the
+   prefill chunks in policy order within the step's token and time budget, victims when
+   decode growth finds no block, swapped requests that can come back.
+3. ``commit``: after the engine ran the plan, chunks advance; a finished prefill leaves
+   (a prefill-only worker) or starts decoding here (its first token is out); the measured
+   step time trains the worker's :class:`~scheduler.step_costs.StepCosts`.
+4. ``add_decode`` (a prefilled request joins after its transfer), ``swap_out`` /
+   ``swap_in``, ``remove`` (finished, aborted, preempted by recompute).
+
+The composition rules themselves are the policy's (``compose_budget_step`` for the vLLM
+v1 style budget, ``compose_slo_step`` for tierserve's) and live here as functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.preemption import PreemptMode, Victim, VictimView
+from scheduler.queues import Verdict, WaitQueue
+from scheduler.request import Request, RequestState
+from scheduler.step_costs import StepCosts, StepShape
+from scheduler.topology import WorkerInfo
+
+if TYPE_CHECKING:
+    from scheduler.policy import SchedulingPolicy
+
+# A step that has prefills waiting gives the most urgent one at least this many tokens,
+# even when the decodes alone fill the time budget: TTFT always progresses.
+MIN_CHUNK_TOKENS = 32
+
+
+@dataclass(slots=True)
+class LocalRequest:
+    """A request on one worker, as the step planner sees it."""
+
+    req: Request
+    # Tokens whose KV this worker must still compute (0: decoding).
+    num_prefill_left: int = 0
+    # Tokens whose KV exists here (the context a decode attends to).
+    num_computed: int = 0
+    num_blocks: int = 0
+    is_swapped: bool = False
+
+    @property
+    def req_id(self) -> str:
+        return self.req.req_id
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the engine runs next; every field says why it is there.
+
+    ``decodes``: running requests that produce one token each. ``chunks``: (request,
+    tokens) prefill chunks, most urgent first. ``preempt``: victims evicted before the step
+    so that the decodes that need a new block get one (KV pressure). ``swap_in``: swapped
+    requests whose blocks come back before the step. ``predicted_s``: the step's time by
+    the worker's fitted cost model."""
+
+    decodes: tuple[str, ...] = ()
+    chunks: tuple[tuple[str, int], ...] = ()
+    preempt: tuple[Victim, ...] = ()
+    swap_in: tuple[str, ...] = ()
+    predicted_s: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.chunks or self.preempt or self.swap_in)
+
+
+@dataclass(slots=True)
+class StepView:
+    """What a policy composes a step from (read-only by contract)."""
+
+    now: float
+    worker: WorkerInfo
+    decoding: list[LocalRequest]  # running decodes, in the order they joined
+    queue: WaitQueue  # prefill candidates (started or not), in policy order
+    local: dict[str, LocalRequest]
+    swapped: list[LocalRequest]
+    num_free_blocks: int
+    block_size: int
+    costs: StepCosts
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunk_tokens: int
+    taken: list[str] = field(default_factory=list)  # prefills offered and taken
+
+
+def _growers(decodes: Sequence[LocalRequest], bs: int) -> list[LocalRequest]:
+    """Decodes whose next token starts a new block."""
+    return [d for d in decodes if d.num_computed + 1 > d.num_blocks * bs]
+
+
+def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPolicy
+              ) -> tuple[list[LocalRequest], list[Victim], int]:
+    """Decodes that can run, victims the policy evicts for them, blocks left after."""
+    bs = view.block_size
+    growers = _growers(decodes, bs)
+    free = view.num_free_blocks
+    victims: list[Victim] = []
+    if len(growers) > free:
+        cands = [VictimView(d.req, view.worker, d.num_blocks) for d in decodes]
+        top = min(g.req.tier for g in growers)
+        plan = policy.on_kv_pressure(len(growers) - free, cands, view.now, top)
+        victims = list(plan.victims)
+        gone = {v.req_id for v in victims}
+        freed = sum(v.num_blocks for v in victims)
+        decodes = [d for d in decodes if d.req_id not in gone]
+        growers = [g for g in growers if g.req_id not in gone]
+        free += freed
+    if len(growers) > free:
+        # No victim allowed: the least urgent growers sit this step out.
+        order = policy.order([g.req for g in growers], view.now)
+        stalled = {r.req_id for r in order[free:]}
+        decodes = [d for d in decodes if d.req_id not in stalled]
+        free = 0
+    else:
+        free -= len(growers)
+    return decodes, victims, free
+
+
+def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) -> tuple[list[str], int]:
+    out: list[str] = []
+    if not view.swapped or room <= 0:
+        return out, free
+    for r in policy.order([s.req for s in view.swapped], view.now):
+        lr = view.local[r.req_id]
+        if lr.num_blocks > free or len(out) >= room:
+            break
+        out.append(r.req_id)
+        free -= lr.num_blocks
+    return out, free
+
+
+def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base: StepShape,
+                 free_blocks: int, room: int, first_min: int) -> list[tuple[str, int]]:
+    """Prefill chunks in queue (policy) order within the budgets."""
+    chunks: list[tuple[str, int]] = []
+    left = [token_budget, free_blocks, room]
+    shape = [base]
+    costs = view.costs
+    bs = view.block_size
+
+    def accept(req: Request) -> Verdict:
+        if left[0] <= 0:
+            return Verdict.STOP
+        lr = view.local[req.req_id]
+        need = 0
+        if lr.num_blocks == 0:  # not started: all of its blocks at once (the engine's rule)
+            need = lr.blocks_for(lr.num_computed + lr.num_prefill_left + 1, bs)
+            if need > left[1] or left[2] <= 0:
+                return Verdict.SKIP
+        take = min(lr.num_prefill_left, left[0], view.chunk_tokens)
+        if seconds is not None:
+            fit = costs.tokens_within(seconds, lr.num_computed, base=shape[0])
+            if fit < take:
+                if chunks or fit >= MIN_CHUNK_TOKENS:
+                    take = min(take, fit)
+                else:
+                    take = min(take, max(fit, first_min))
+            if take <= 0:
+                return Verdict.STOP
+        left[0] -= take
+        left[1] -= need
+        if need:
+            left[2] -= 1
+        sh = shape[0]
+        shape[0] = StepShape(sh.prefill_tokens + take,
+                             sh.prefill_attention + take * (lr.num_computed + take / 2),
+                             sh.num_decodes, sh.decode_context)
+        chunks.append((req.req_id, take))
+        view.taken.append(req.req_id)
+        return Verdict.TAKE
+
+    view.queue.take(view.now, accept)
+    return chunks
+
+
+def _shape(decodes: Sequence[LocalRequest]) -> StepShape:
+    return StepShape(num_decodes=len(decodes),
+                     decode_context=sum(d.num_computed + 1 for d in decodes))
+
+
+def compose_budget_step(view: StepView, policy: SchedulingPolicy,
+                        token_budget: int | None = None) -> StepPlan:
+    """vLLM v1's step: every running decode, then prefill chunks in queue order within
+    ``max_num_batched_tokens`` (started prefills first: the peers' queues key on it)."""
+    budget = token_budget or view.max_num_batched_tokens
+    decodes, victims, free = _pressure(view, list(view.decoding), policy)
+    decodes = decodes[: view.max_num_seqs]
+    budget -= len(decodes)
+    room = view.max_num_seqs - len(decodes)
+    swap, free = _swap_ins(view, free, policy, room)
+    room -= len(swap)
+    chunks = _take_chunks(view, budget, None, _shape(decodes), free, room, budget)
+    plan_shape = _shape(decodes)
+    for rid, n in chunks:
+        c = view.local[rid].num_computed
+        plan_shape = StepShape(plan_shape.prefill_tokens + n,
+                               plan_shape.prefill_attention + n * (c + n / 2),
+                               plan_shape.num_decodes, plan_shape.decode_context)
+    return StepPlan(tuple(d.req_id for d in decodes), tuple(chunks), tuple(victims),
+                    tuple(swap), view.costs.step_s(plan_shape) if chunks or decodes else 0.0)
+
+
+def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: float,
+                     tpot_of: Callable[[Request], float | None],
+                     tpot_margin: float = 0.8) -> StepPlan:
+    """tierserve's step, sized by the tiers' targets from the measured step costs.
+
+    Decodes: in policy order, the batch grows while the predicted step stays within
+    ``tpot_margin`` x the tightest TPOT target among the decodes in it (a decode whose
+    tier has no TPOT target only joins while that still holds). Prefill: chunks in policy
+    order within the time left to the tightest target and at most ``step_cap_s`` (so an
+    urgent arrival waits at most one short step), the most urgent always getting at least
+    ``MIN_CHUNK_TOKENS``.
+    """
+    decodes, victims, free = _pressure(view, list(view.decoding), policy)
+    ordered = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes], view.now))}
+    decodes.sort(key=lambda d: ordered[d.req_id])
+    batch: list[LocalRequest] = []
+    tight: float | None = None
+    skipped_room = 0
+    for d in decodes:
+        if len(batch) >= view.max_num_seqs:
+            break
+        t = tpot_of(d.req)
+        cand_tight = tight if t is None else (t if tight is None else min(tight, t))
+        if cand_tight is not None and batch:
+            if view.costs.step_s(_shape([*batch, d])) > tpot_margin * cand_tight:
+                skipped_room += 1
+                continue  # it waits a step; the tighter tiers keep their pace
+        batch.append(d)
+        tight = cand_tight
+    base = _shape(batch)
+    seconds = step_cap_s
+    if tight is not None:
+        seconds = min(seconds, tpot_margin * tight)
+    room = view.max_num_seqs - len(batch)
+    swap, free = _swap_ins(view, free, policy, room)
+    room -= len(swap)
+    budget = view.max_num_batched_tokens - len(batch)
+    chunks = _take_chunks(view, budget, seconds, base, free, room, MIN_CHUNK_TOKENS)
+    shape = base
+    for rid, n in chunks:
+        c = view.local[rid].num_computed
+        shape = StepShape(shape.prefill_tokens + n, shape.prefill_attention + n * (c + n / 2),
+                          shape.num_decodes, shape.decode_context)
+    return StepPlan(tuple(d.req_id for d in batch), tuple(chunks), tuple(victims), tuple(swap),
+                    view.costs.step_s(shape) if chunks or batch else 0.0)
+
+
+class WorkerScheduler:
+    """The step-level kernel of one worker (see the module docstring)."""
+
+    def __init__(self, worker: WorkerInfo, policy: SchedulingPolicy, costs: StepCosts, *,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_tokens: int) -> None:
+        self.worker = worker
+        self.policy = policy
+        self.costs = costs
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_tokens = chunk_tokens
+        self.queue: WaitQueue = policy.make_queue()
+        self.local: dict[str, LocalRequest] = {}
+        self.decoding: dict[str, LocalRequest] = {}
+        self.swapped: dict[str, LocalRequest] = {}
+        self._inflight: dict[str, int] = {}  # planned chunks not yet committed
+        self.num_steps = 0
+
+    # -- membership ------------------------------------------------------------------
+
+    def add_prefill(self, req: Request, num_tokens: int, now: float, *,
+                    num_computed: int = 0) -> LocalRequest:
+        """``req`` computes ``num_tokens`` here after ``num_computed`` existing ones."""
+        lr = LocalRequest(req, num_prefill_left=num_tokens, num_computed=num_computed)
+        self.local[req.req_id] = lr
+        self.queue.push(req, now)
+        return lr
+
+    def add_decode(self, req: Request, num_context: int, num_blocks: int) -> LocalRequest:
+        """A request whose KV (``num_context`` tokens) sits in ``num_blocks`` here decodes."""
+        lr = LocalRequest(req, 0, num_context, num_blocks)
+        self.local[req.req_id] = lr
+        self.decoding[req.req_id] = lr
+        return lr
+
+    def remove(self, req_id: str) -> LocalRequest | None:
+        lr = self.local.pop(req_id, None)
+        self.decoding.pop(req_id, None)
+        self.swapped.pop(req_id, None)
+        self.queue.remove(req_id)
+        self._inflight.pop(req_id, None)
+        return lr
+
+    def swap_out(self, req_id: str) -> None:
+        lr = self.decoding.pop(req_id, None)
+        if lr is not None:
+            lr.is_swapped = True
+            self.swapped[req_id] = lr
+
+    def swapped_in(self, req_id: str, num_blocks: int) -> None:
+        lr = self.swapped.pop(req_id, None)
+        if lr is not None:
+            lr.is_swapped = False
+            lr.num_blocks = num_blocks
+            self.decoding[req_id] = lr
+
+    def has_work(self) -> bool:
+        return bool(self.decoding or len(self.queue) or self.swapped or self._inflight)
+
+    @property
+    def num_waiting_prefill_tokens(self) -> int:
+        return sum(lr.num_prefill_left for lr in self.local.values() if lr.num_prefill_left)
+
+    # -- stepping --------------------------------------------------------------------
+
+    def plan(self, now: float, num_free_blocks: int) -> StepPlan:
+        view = StepView(now, self.worker, list(self.decoding.values()), self.queue, self.local,
+                        list(self.swapped.values()), num_free_blocks, self.block_size,
+                        self.costs, self.max_num_seqs, self.max_num_batched_tokens,
+                        self.chunk_tokens)
+        plan = self.policy.compose_step(view)
+        for rid, n in plan.chunks:
+            self._inflight[rid] = n
+        return plan
+
+    def commit(self, plan: StepPlan, now: float, *, seconds: float | None,
+               refused: Sequence[str] = (), blocks: dict[str, int] | None = None,
+               decodes_here: bool = True) -> list[str]:
+        """Advance the plan's requests after the engine ran it (``refused``: chunks the
+        engine could not admit, back in the queue). Returns the requests whose prefill
+        finished in this step. ``blocks``: each request's blocks after the step."""
+        shape_chunks: list[tuple[int, int]] = []
+        done: list[str] = []
+        refused_set = set(refused)
+        for rid, n in plan.chunks:
+            self._inflight.pop(rid, None)
+            lr = self.local.get(rid)
+            if lr is None:
+                continue
+            if rid in refused_set:
+                self.queue.push(lr.req, now)
+                continue
+            shape_chunks.append((n, lr.num_computed))
+            lr.num_computed += n
+            lr.num_prefill_left -= n
+            lr.req.num_computed_tokens = lr.num_computed
+            if lr.num_prefill_left > 0:
+                self.queue.push(lr.req, now)
+                continue
+            lr.num_prefill_left = 0
+            done.append(rid)
+            # The step that ends the prompt samples the next token (the first, or the
+            # next after a recompute of prompt + output).
+            if lr.req.first_token_time is None:
+                lr.req.first_token_time = now
+            lr.req.num_output_tokens += 1
+            if decodes_here:
+                self.decoding[rid] = lr
+        contexts = []
+        for rid in plan.decodes:
+            lr = self.local.get(rid)
+            if lr is None:
+                continue
+            contexts.append(lr.num_computed + 1)
+            lr.num_computed += 1
+            lr.req.num_output_tokens += 1
+        if blocks:
+            for rid, n in blocks.items():
+                lr = self.local.get(rid)
+                if lr is not None:
+                    lr.num_blocks = n
+        if seconds is not None and (shape_chunks or contexts):
+            self.costs.observe(StepShape.of(shape_chunks, contexts), seconds)
+        self.num_steps += 1
+        return done
+
+
+def is_started(req: Request) -> bool:
+    """A prefill that has begun (the budget step's queues put these first)."""
+    return req.state is RequestState.PREFILLING and req.num_computed_tokens > 0
+
+
+__all__ = ["LocalRequest", "StepPlan", "StepView", "WorkerScheduler", "compose_budget_step",
+           "compose_slo_step", "MIN_CHUNK_TOKENS", "PreemptMode", "is_started"]

@@ -1,0 +1,180 @@
+"""The cluster scheduler stepped synchronously: submit, plan, feed results, plan again.
+
+No clock and no I/O: every test builds the object, drives it with explicit times and
+checks the plans it returns (tier order, dispatch horizon, shedding order, preemption
+for a more urgent tier, conditional disaggregation, dead workers)."""
+
+from __future__ import annotations
+
+from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, PoolMode
+from scheduler.messages import ReqEvent, SubmitOutcome, WorkerEvent, WorkerReport
+from scheduler.preemption import PreemptMode
+from scheduler.request import RequestState
+from scheduler.testing import make_costs
+from scheduler.tiers import TierConfig, TierSpec
+from scheduler.topology import WorkerInfo, WorkerRole
+
+BS = 16
+
+
+def cpu_tiers() -> TierConfig:
+    return TierConfig((
+        TierSpec("latency-critical", 1.0, 0.25, None, 0.3, 8.0, 0.9, 5.0),
+        TierSpec("interactive", 4.0, 0.5, None, 0.5, 4.0, 1.0, 30.0),
+        TierSpec("batch", None, None, 60.0, 0.1, 2.0, 1.0, 120.0),
+        TierSpec("best-effort", None, None, 300.0, 0.1, 1.0, 1.0, 900.0),
+    ))
+
+
+def make_cluster(mode: PoolMode = PoolMode.DISAGGREGATED, policy: str = "tierserve",
+                 decode_blocks: int = 256, num_prefill: int = 1,
+                 num_decode: int = 1) -> ClusterScheduler:
+    cs = ClusterScheduler(cpu_tiers(), policy, BS, make_costs(), mode=mode)
+    for i in range(num_prefill if mode is not PoolMode.AGGREGATED else 0):
+        cs.add_worker(WorkerInfo(f"p{i}", WorkerRole.PREFILL, "n", "cpu", "A", 256), 256,
+                      can_prefill=True, can_decode=False)
+    for i in range(num_decode):
+        cs.add_worker(WorkerInfo(f"d{i}", WorkerRole.DECODE, "n", "cpu", "A", decode_blocks),
+                      decode_blocks, can_prefill=mode is not PoolMode.DISAGGREGATED,
+                      can_decode=True)
+    return cs
+
+
+def submit(cs: ClusterScheduler, rid: str, tier: int, prompt: int, now: float,
+           max_new: int = 16):
+    return cs.submit(NewRequest(rid, tier, now, prompt, max_new), now)
+
+
+def dispatch_all(cs: ClusterScheduler, now: float) -> list[str]:
+    """Plan once and answer every dispatch with success; returns the dispatched ids."""
+    plan = cs.plan(now)
+    for d in plan.dispatches:
+        cs.on_dispatch_result(d.req_id, True, now)
+    return [d.req_id for d in plan.dispatches]
+
+
+def test_dispatch_follows_tier_order_and_reserves_before_prefill() -> None:
+    cs = make_cluster()
+    for i, tier in enumerate((3, 2, 1, 0)):
+        assert submit(cs, f"r{tier}", tier, 100, now=0.0 + i * 1e-3).accepted
+    plan = cs.plan(0.01)
+    ids = [d.req_id for d in plan.dispatches]
+    assert ids[0] == "r0"  # the most urgent tier first, whatever the arrival order
+    d = plan.dispatches[0]
+    assert d.decode_worker_id == "d0" and d.prefill_worker_id == "p0"
+    assert d.num_blocks == -(-(100 + 1) // BS)
+    assert cs.get("r0").state is RequestState.QUEUED  # until the decode worker says yes
+    cs.on_dispatch_result("r0", True, 0.02)
+    assert cs.get("r0").state is RequestState.PREFILLING
+
+
+def test_dispatch_horizon_keeps_lower_tiers_in_the_global_queue_but_never_tier0() -> None:
+    cs = make_cluster()
+    for i in range(40):
+        submit(cs, f"b{i}", 2, 1000, now=0.0)
+    first = dispatch_all(cs, 0.01)
+    assert 0 < len(first) < 40  # the worker got a few steps' worth, the rest waits here
+    assert submit(cs, "urgent", 0, 1000, now=0.02).accepted
+    assert dispatch_all(cs, 0.03) == ["urgent"]
+
+
+def test_refused_dispatch_goes_back_to_the_queue() -> None:
+    cs = make_cluster()
+    submit(cs, "a", 1, 100, now=0.0)
+    plan = cs.plan(0.0)
+    cs.on_dispatch_result("a", False, 0.01, num_free_blocks=0)
+    assert cs.get("a").state is RequestState.QUEUED
+    assert "a" in [r.req_id for r in cs.waiting()]
+    assert plan.dispatches
+
+
+def test_rejection_sheds_its_tier_and_every_less_urgent_tier_first() -> None:
+    cs = make_cluster()
+    # Flood tier 1 until admission refuses (its 4 s TTFT cannot be met).
+    outcome = None
+    for i in range(400):
+        outcome = submit(cs, f"x{i}", 1, 1000, now=0.0)
+        if outcome.outcome is SubmitOutcome.REJECTED:
+            break
+    assert outcome is not None and outcome.outcome is SubmitOutcome.REJECTED
+    assert outcome.retry_after_s and outcome.retry_after_s > 0
+    shed = cs.shed_s_by_tier(0.0)
+    assert shed[0] == 0.0 and shed[1] > 0 and shed[2] > 0 and shed[3] > 0
+    # While tier 1 is shed, tier 3 is shed too (never a tier-1 429 while tier 3 is served),
+    # and tier 0 is still admitted.
+    assert submit(cs, "low", 3, 10, now=0.01).outcome is SubmitOutcome.REJECTED
+    assert submit(cs, "top", 0, 10, now=0.01).accepted
+
+
+def test_tier0_without_decode_room_preempts_a_lower_tier_decode() -> None:
+    cs = make_cluster(decode_blocks=16)
+    submit(cs, "low", 3, 200, now=0.0)
+    assert dispatch_all(cs, 0.0) == ["low"]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("low", WorkerEvent.PREFILL_DONE, 0.5),)), 0.5)
+    cs.on_report(WorkerReport("d0", 2, 16, events=(
+        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),)), 0.6)
+    assert cs.get("low").state is RequestState.DECODING
+    submit(cs, "top", 0, 200, now=2.0)
+    plan = cs.plan(2.0)
+    assert not plan.dispatches
+    assert [(p.req_id, p.worker_id, p.for_req_id) for p in plan.preempts] == [
+        ("low", "d0", "top")]
+    assert plan.preempts[0].mode in (PreemptMode.SWAP, PreemptMode.RECOMPUTE)
+
+
+def test_worker_events_walk_the_state_machine_to_the_end() -> None:
+    cs = make_cluster()
+    submit(cs, "a", 0, 50, now=0.0)
+    dispatch_all(cs, 0.0)
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("a", WorkerEvent.PREFILL_DONE, 0.2),)), 0.2)
+    assert cs.get("a").state is RequestState.TRANSFERRING
+    assert cs.get("a").first_token_time == 0.2
+    cs.on_report(WorkerReport("d0", 250, 256, events=(
+        ReqEvent("a", WorkerEvent.DECODE_START, 0.25),
+        ReqEvent("a", WorkerEvent.FINISHED_STOP, 0.9))), 0.9)
+    assert cs.get("a") is None  # closed
+    assert cs.workers["d0"].held == {}
+
+
+def test_dead_decode_worker_ends_its_requests_with_a_retryable_error() -> None:
+    cs = make_cluster()
+    submit(cs, "a", 1, 50, now=0.0)
+    dispatch_all(cs, 0.0)
+    assert cs.remove_worker("d0", 1.0) == ["a"]
+    plan = cs.plan(1.0)
+    assert [(a.req_id, a.worker_ids, a.error) for a in plan.aborts] == [
+        ("a", ("p0",), "worker_failed")]
+    assert submit(cs, "b", 1, 50, now=1.1).outcome is SubmitOutcome.UNAVAILABLE
+
+
+def test_aggregated_mode_prefills_on_the_decode_worker() -> None:
+    cs = make_cluster(PoolMode.AGGREGATED, num_decode=2)
+    submit(cs, "a", 1, 100, now=0.0)
+    submit(cs, "b", 1, 100, now=0.0)
+    plan = cs.plan(0.0)
+    assert all(d.prefill_worker_id is None for d in plan.dispatches)
+    # The second goes to the other worker: the first one's queued prefill is ahead there.
+    assert {d.decode_worker_id for d in plan.dispatches} == {"d0", "d1"}
+
+
+def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely() -> None:
+    cs = make_cluster(PoolMode.AUTO)
+    cs.local_prefill_max_tokens = 256
+    submit(cs, "short", 1, 40, now=0.0)
+    submit(cs, "long", 1, 2000, now=0.0)
+    plan = cs.plan(0.0)
+    where = {d.req_id: d.prefill_worker_id for d in plan.dispatches}
+    assert where == {"short": None, "long": "p0"}
+
+
+def test_peer_policy_stops_at_the_head_of_the_line() -> None:
+    cs = make_cluster(policy="vllm-fcfs", decode_blocks=16)
+    submit(cs, "big", 1, 400, now=0.0)  # needs 26 blocks: never fits
+    submit(cs, "small", 1, 10, now=0.1)
+    assert dispatch_all(cs, 0.2) == []  # FCFS: the head blocks the line
+    cs2 = make_cluster(decode_blocks=16)
+    submit(cs2, "big", 1, 400, now=0.0)
+    submit(cs2, "small", 1, 10, now=0.1)
+    assert dispatch_all(cs2, 0.2) == ["small"]  # tierserve lets it pass
