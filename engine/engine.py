@@ -170,8 +170,78 @@ class LLMEngine:
     # ---- step ----
 
     def step(self) -> list[StepOutput]:
-        outputs, self._pending = self._pending, []
+        """One step composed by the engine itself (running first, then FCFS admission)."""
         decodes, chunks = self._schedule()
+        return self._run(decodes, chunks)
+
+    def run_plan(self, decode_ids: Sequence[str], chunks: Sequence[tuple[str, int]]
+                 ) -> tuple[list[StepOutput], list[str]]:
+        """One step composed by the caller's scheduler (``scheduler.step_planner``): one
+        token for each of ``decode_ids``, ``n`` prompt tokens for each ``(req_id, n)`` of
+        ``chunks`` (a waiting request is admitted first: prefix hits, then all of its
+        blocks). Nothing else runs and nothing is preempted here: a decode that finds no
+        block for its next token, or a chunk whose request cannot be admitted, is left out
+        and returned as refused (the caller's scheduler decides what gives way).
+        Unknown ids and requests in no runnable state are refused too."""
+        decodes: list[Scheduled] = []
+        work_chunks: list[Scheduled] = []
+        refused: list[str] = []
+        for rid in decode_ids:
+            req = self._requests.get(rid)
+            if (req is None or req.state is not ReqState.RUNNING
+                    or len(req.token_ids) - req.num_computed != 1
+                    or not self._grow_no_preempt(req, req.num_computed + 1)):
+                refused.append(rid)
+                continue
+            decodes.append((req, self._work(req, 1)))
+        for rid, n in chunks:
+            req = self._requests.get(rid)
+            if req is None or n <= 0:
+                refused.append(rid)
+                continue
+            if req.state is ReqState.WAITING and not self.admit(rid):
+                refused.append(rid)
+                continue
+            if req.state is not ReqState.RUNNING:
+                refused.append(rid)
+                continue
+            n = min(n, len(req.token_ids) - req.num_computed)
+            if n <= 0 or not self._grow_no_preempt(req, req.num_computed + n):
+                refused.append(rid)
+                continue
+            work_chunks.append((req, self._work(req, n)))
+        return self._run(decodes, work_chunks), refused
+
+    def admit(self, req_id: str) -> bool:
+        """Give a waiting request its prefix hits and all of its blocks now (False: no
+        room; nothing changes). It then runs in the chunks the caller plans for it."""
+        req = self._requests.get(req_id)
+        if req is None or req.state is not ReqState.WAITING:
+            return False
+        if not self._admit(req):
+            return False
+        if req in self._waiting:
+            self._waiting.remove(req)
+        req.state = ReqState.RUNNING
+        self._running.append(req)
+        return True
+
+    def _grow_no_preempt(self, req: EngineRequest, num_tokens: int) -> bool:
+        bs = self.pool.block_size
+        needed = (num_tokens + bs - 1) // bs - len(req.block_ids)
+        if needed <= 0:
+            return True
+        new = self.pool.allocate(needed)
+        if new is None:
+            return False
+        req.block_ids.extend(new)
+        return True
+
+    def num_computed_tokens(self, req_id: str) -> int:
+        return self._get(req_id).num_computed
+
+    def _run(self, decodes: list[Scheduled], chunks: list[Scheduled]) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
         if not decodes and not chunks:
             return outputs
         scheduled = decodes + chunks

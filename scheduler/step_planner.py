@@ -48,8 +48,8 @@ class LocalRequest:
     """A request on one worker, as the step planner sees it."""
 
     req: Request
-    # Tokens whose KV this worker must still compute (0: decoding).
-    num_prefill_left: int = 0
+    # Tokens whose KV must exist here when the prefill (or recompute) ends.
+    num_target: int = 0
     # Tokens whose KV exists here (the context a decode attends to).
     num_computed: int = 0
     num_blocks: int = 0
@@ -58,6 +58,11 @@ class LocalRequest:
     @property
     def req_id(self) -> str:
         return self.req.req_id
+
+    @property
+    def num_prefill_left(self) -> int:
+        """Tokens still to compute here before the next token is sampled (0: decoding)."""
+        return max(self.num_target - self.num_computed, 0)
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
@@ -292,17 +297,30 @@ class WorkerScheduler:
     def add_prefill(self, req: Request, num_tokens: int, now: float, *,
                     num_computed: int = 0) -> LocalRequest:
         """``req`` computes ``num_tokens`` here after ``num_computed`` existing ones."""
-        lr = LocalRequest(req, num_prefill_left=num_tokens, num_computed=num_computed)
+        lr = LocalRequest(req, num_target=num_computed + num_tokens, num_computed=num_computed)
         self.local[req.req_id] = lr
         self.queue.push(req, now)
         return lr
 
     def add_decode(self, req: Request, num_context: int, num_blocks: int) -> LocalRequest:
         """A request whose KV (``num_context`` tokens) sits in ``num_blocks`` here decodes."""
-        lr = LocalRequest(req, 0, num_context, num_blocks)
+        lr = LocalRequest(req, num_context, num_context, num_blocks)
         self.local[req.req_id] = lr
         self.decoding[req.req_id] = lr
         return lr
+
+    def recompute(self, req_id: str, now: float) -> None:
+        """A decoding or swapped request lost its KV here: it is prefilled again (prompt +
+        output so far) on this worker before it decodes on."""
+        lr = self.decoding.pop(req_id, None) or self.swapped.pop(req_id, None)
+        if lr is None:
+            return
+        lr.is_swapped = False
+        lr.num_target = lr.num_computed + 1  # every token so far, the last one included
+        lr.num_computed = 0
+        lr.num_blocks = 0
+        lr.req.num_computed_tokens = 0
+        self.queue.push(lr.req, now)
 
     def remove(self, req_id: str) -> LocalRequest | None:
         lr = self.local.pop(req_id, None)
@@ -346,10 +364,12 @@ class WorkerScheduler:
 
     def commit(self, plan: StepPlan, now: float, *, seconds: float | None,
                refused: Sequence[str] = (), blocks: dict[str, int] | None = None,
-               decodes_here: bool = True) -> list[str]:
-        """Advance the plan's requests after the engine ran it (``refused``: chunks the
-        engine could not admit, back in the queue). Returns the requests whose prefill
-        finished in this step. ``blocks``: each request's blocks after the step."""
+               computed: dict[str, int] | None = None, decodes_here: bool = True) -> list[str]:
+        """Advance the plan's requests after the engine ran it. ``refused``: work the
+        engine could not run (chunks go back to the queue, decodes stay). ``blocks``: each
+        request's blocks after the step; ``computed``: its tokens with KV after the step
+        (the engine's truth, e.g. after prefix-cache hits; default: as planned). Returns
+        the requests whose prefill finished in this step."""
         shape_chunks: list[tuple[int, int]] = []
         done: list[str] = []
         refused_set = set(refused)
@@ -362,13 +382,12 @@ class WorkerScheduler:
                 self.queue.push(lr.req, now)
                 continue
             shape_chunks.append((n, lr.num_computed))
-            lr.num_computed += n
-            lr.num_prefill_left -= n
+            lr.num_computed = computed[rid] if computed and rid in computed else lr.num_computed + n
             lr.req.num_computed_tokens = lr.num_computed
             if lr.num_prefill_left > 0:
                 self.queue.push(lr.req, now)
                 continue
-            lr.num_prefill_left = 0
+            lr.num_target = lr.num_computed
             done.append(rid)
             # The step that ends the prompt samples the next token (the first, or the
             # next after a recompute of prompt + output).
@@ -380,10 +399,11 @@ class WorkerScheduler:
         contexts = []
         for rid in plan.decodes:
             lr = self.local.get(rid)
-            if lr is None:
+            if lr is None or rid in refused_set:
                 continue
             contexts.append(lr.num_computed + 1)
             lr.num_computed += 1
+            lr.num_target = lr.num_computed
             lr.req.num_output_tokens += 1
         if blocks:
             for rid, n in blocks.items():

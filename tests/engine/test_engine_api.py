@@ -217,3 +217,38 @@ def test_reserve_is_all_or_nothing(tiny_checkpoints) -> None:
         engine.add_prefilled_request("b", [1] * 32, 5, SamplingParams(), [0, 1])
     engine.release("a")
     assert engine.num_free_blocks == 4
+
+
+def test_run_plan_runs_exactly_the_plan_and_matches_the_engines_own_steps(
+        tiny_checkpoints) -> None:
+    """A caller-composed step (scheduler.step_planner's plans) runs what it names, in
+    chunks of its choosing, refuses what cannot run, and gives the same greedy tokens as
+    the engine's own schedule."""
+    path = tiny_checkpoints["llama"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {"a": list(range(3, 40)), "b": list(range(50, 61))}
+    ref = make_engine(path).generate(list(prompts.values()), greedy)
+    eng = make_engine(path)
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy)
+    assert eng.admit("b") and eng.num_free_blocks < 64  # blocks held at once
+    out: dict[str, list[int]] = {"a": [], "b": []}
+    # Step 1: only b's prompt (a waits: not in the plan); step 2: a's first chunk while
+    # b decodes; then a's rest; then both decode.
+    plans = [([], [("b", 11)]), (["b"], [("a", 20)]), (["b"], [("a", 17)])]
+    for decodes, chunks in plans:
+        outs, refused = eng.run_plan(decodes, chunks)
+        assert refused == []
+        for o in outs:
+            out[o.req_id].extend(o.new_token_ids)
+    assert len(out["b"]) == 3 and len(out["a"]) == 1
+    while len(out["a"]) < 6 or len(out["b"]) < 6:
+        live = [r for r in ("a", "b") if len(out[r]) < 6]
+        outs, refused = eng.run_plan(live, [])
+        assert refused == []
+        for o in outs:
+            out[o.req_id].extend(o.new_token_ids)
+    assert [out["a"], out["b"]] == ref
+    # Unknown ids, a decode of a finished request and an empty chunk are refused.
+    _, refused = eng.run_plan(["a", "nope"], [("b", 0), ("zz", 5)])
+    assert refused == ["a", "nope", "b", "zz"]

@@ -1,0 +1,64 @@
+"""Running an engine inside an async worker: one engine thread, sampling from the wire.
+
+The engine is not thread-safe and its ``run_plan()`` takes milliseconds to seconds, so a
+worker (an async Ray actor) runs every engine call on one dedicated thread
+(:class:`EngineThread`): the event loop stays free for control calls and token
+streaming, and engine calls never overlap. :func:`sampling_params` turns a request's
+wire spec (``scheduler.messages.GenerationSpec``) into the engine's ``SamplingParams``.
+Shared by the prefill and decode workers (the floor below both pools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from engine.sampling import SamplingParams
+from scheduler.messages import GenerationSpec
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """Runs callables on one thread, in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set or ``timeout_s`` passes; True when it was set.
+
+    Built on ``asyncio.wait`` rather than ``wait_for``: on Python 3.10/3.11 ``wait_for``
+    can swallow a cancellation that races its timeout, and a loop built on it may then
+    never stop.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
+def sampling_params(spec: GenerationSpec, *, max_tokens: int | None = None) -> SamplingParams:
+    s = spec.sampling
+    return SamplingParams(max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+                          temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                          stop_token_ids=spec.stop_token_ids, logprobs=False)
+
+
+def bytes_per_block(engine: Any) -> int:
+    lay = engine.pool.kv_layout()
+    elem = lay.dtype.itemsize if hasattr(lay.dtype, "itemsize") else 4
+    return int(lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim * elem)
