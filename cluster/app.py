@@ -102,8 +102,7 @@ def launch_workers(cfg: ClusterConfig, *, suffix: str = "", namespace: str | Non
     import ray
 
     from cluster.scheduler_actor import scheduler_actor
-    from decode_pool.worker import decode_worker_actor
-    from prefill_pool.worker import prefill_worker_actor
+    from cluster.worker_actors import decode_worker_actor, prefill_worker_actor
 
     namespace = namespace or ray.get_runtime_context().namespace
     life = {"lifetime": "detached"} if detached else {}
@@ -181,7 +180,7 @@ def served_model_name(cfg: ClusterConfig) -> str:
 def build_router_app(cfg: ClusterConfig, handles: ClusterHandles,
                      max_model_len: int | None = None) -> Any:
     """The router bound to the cluster; ``max_model_len`` None: the workers' (set up)."""
-    from router.deployment import router_deployment
+    from cluster.router_deployment import router_deployment
 
     return router_deployment().bind(
         cfg.to_dict(), handles.scheduler_name, handles.namespace, list(handles.decode),
@@ -230,6 +229,7 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
     """Start everything and serve the OpenAI API at ``cfg.router`` host:port."""
     from ray import serve
 
+    cfg = cfg.resolve_presets()
     handles, setup_refs = launch_workers(cfg, suffix=suffix)
     # Serve's controller, its proxy and (when the context length is known without the
     # workers) the router replica start while the workers load the model; /health says

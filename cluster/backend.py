@@ -1,28 +1,35 @@
-"""The router's backend on a Ray cluster: submit to the global scheduler, stream from decode.
+"""The router's backend on a Ray cluster: submit to the global scheduler, read the tokens
+from the decode workers' per-step batches.
 
 Data flow of ``generate(spec)``::
 
-    scheduler.submit(spec) ──▶ {"kind": "placed", decode_worker_id} | rejected | unavailable
-    decode.stream(req_id)  (Ray streaming generator) ──▶ {"t": ids, "f": finish, "e": error}
-    end: scheduler.finish(req_id, timings)   (metrics, fair share)
+    shed gate (per tier, from the scheduler's last answers)   -> 429 before any RPC
+    scheduler.submit(SubmitBatch)  (concurrent requests share one RPC)
+        -> SubmitAnswers: accepted | rejected (retry-after) | invalid | unavailable
+    decode.subscribe(router_id)    one stream per decode worker: a TokenBatch per step
+    scheduler.notices(router_id)   requests the cluster ended (errors), the shed state
+        -> the request's queue -> TokenDelta ... finish
+    scheduler.finish(FinishBatch)  client-side timings, batched, after the last token
 
-A decode worker that dies mid-stream (``RayActorError``) or a stream that ends with an
-error (its prefill worker died, the transfer failed) is retried on the live workers:
-the new attempt's prompt is the original prompt plus the tokens already streamed
-(recompute), so the client sees one uninterrupted answer. Each remote call is awaited
-with a timeout; nothing here blocks the event loop.
+A request whose decode worker dies (its subscription breaks) or that the cluster ends
+with a retryable error (``worker_failed``, ``transfer_failed``) is retried on the live
+workers: the new attempt's prompt is the original prompt plus the tokens already
+streamed (recompute), so the client sees one uninterrupted answer. Each remote call is
+awaited with a timeout; nothing here blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from cluster.messages import pack, unpack
+from cluster.messages import unpack
 from router.backend import (
     BackendError,
     BackendErrorKind,
@@ -31,10 +38,28 @@ from router.backend import (
     SamplingSpec,
     TokenDelta,
 )
+from scheduler.messages import (
+    AbortBatch,
+    FinishBatch,
+    FinishTiming,
+    MessageError,
+    NoticeBatch,
+    SubmitAnswer,
+    SubmitAnswers,
+    SubmitBatch,
+    SubmitOutcome,
+    TokenBatch,
+    decode,
+    encode,
+)
+from scheduler.messages import TokenDelta as WireDelta
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+RETRYABLE = frozenset({"worker_failed", "transfer_failed"})
+FINISH_FLUSH_S = 0.05
+RESUBSCRIBE_S = 0.5
 
 
 class HFTokenizer:
@@ -64,6 +89,12 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
 
+@dataclass(slots=True)
+class _Live:
+    queue: asyncio.Queue[WireDelta]
+    worker_id: str | None = None
+
+
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
@@ -75,8 +106,16 @@ class ClusterBackend:
         self._max_model_len = max_model_len
         self._rpc_timeout_s = rpc_timeout_s
         self._request_timeout_s = request_timeout_s
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         # The router's request id -> the id of its current attempt in the cluster.
         self._attempt: dict[str, str] = {}
+        self._live: dict[str, _Live] = {}  # by attempt id
+        self._shed_until: list[float] = []
+        self._subs: list[asyncio.Task[None]] = []
+        self._pending_submits: list[tuple[GenerationSpec, asyncio.Future[SubmitAnswer]]] = []
+        self._submitting: asyncio.Task[None] | None = None
+        self._finishes: list[FinishTiming] = []
+        self._finisher: asyncio.Task[None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -90,6 +129,77 @@ class ClusterBackend:
     def tokenizer(self) -> HFTokenizer:
         return self._tokenizer
 
+    # -- subscriptions -------------------------------------------------------------------
+
+    def _ensure_subscriptions(self) -> None:
+        if self._subs:
+            return
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.Context()  # nobody's child: Serve must not cancel these
+        for wid in self._decode:
+            self._subs.append(loop.create_task(self._read_tokens(wid), context=ctx))
+        self._subs.append(loop.create_task(self._read_notices(), context=ctx))
+
+    async def _read_tokens(self, worker_id: str) -> None:
+        import ray
+
+        while True:
+            try:
+                gen = self._decode[worker_id].subscribe.options(
+                    num_returns="streaming").remote(self.router_id)
+                async for ref in gen:
+                    batch = decode(await ref, TokenBatch)
+                    for d in batch.deltas:
+                        lv = self._live.get(d.req_id)
+                        if lv is not None:
+                            lv.worker_id = worker_id
+                            lv.queue.put_nowait(d)
+            except asyncio.CancelledError:
+                raise
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                log.warning("decode worker %s is gone (%s)", worker_id, type(e).__name__)
+                await self._lost(worker_id)
+            except Exception:  # a broken frame or a transient failure: subscribe again
+                log.exception("token stream from %s broke", worker_id)
+            await asyncio.sleep(RESUBSCRIBE_S)
+
+    async def _lost(self, worker_id: str) -> None:
+        for rid, lv in list(self._live.items()):
+            if lv.worker_id == worker_id:
+                lv.queue.put_nowait(WireDelta(rid, (), None, "worker_failed"))
+        try:
+            await self._rpc(self._sched.worker_failed.remote(worker_id))
+        except BackendError:
+            log.warning("could not report dead worker %s", worker_id)
+
+    async def _read_notices(self) -> None:
+        while True:
+            try:
+                gen = self._sched.notices.options(num_returns="streaming").remote(self.router_id)
+                async for ref in gen:
+                    batch = decode(await ref, NoticeBatch)
+                    self._set_shed(batch.shed_s_by_tier)
+                    for n in batch.notices:
+                        lv = self._live.get(n.req_id)
+                        if lv is not None:
+                            lv.queue.put_nowait(WireDelta(n.req_id, (), None, n.error))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the scheduler restarting, or not ready yet
+                log.debug("notice stream broke: %s", e)
+            await asyncio.sleep(RESUBSCRIBE_S)
+
+    def _set_shed(self, shed_s: Sequence[float]) -> None:
+        now = time.monotonic()
+        self._shed_until = [now + s for s in shed_s]
+
+    def _shed_left(self, tier: int) -> float:
+        if tier >= len(self._shed_until):
+            return 0.0
+        return max(0.0, self._shed_until[tier] - time.monotonic())
+
+    # -- requests ------------------------------------------------------------------------
+
     async def _rpc(self, ref: Any, timeout: float | None = None) -> Any:
         import ray
 
@@ -99,101 +209,138 @@ class ClusterBackend:
             raise BackendError(BackendErrorKind.TIMEOUT, "the scheduler did not answer") from None
         except ray.exceptions.RayActorError:
             raise BackendError(BackendErrorKind.UNAVAILABLE, "the scheduler is down") from None
+        except ray.exceptions.RayTaskError as e:
+            raise BackendError(BackendErrorKind.UNAVAILABLE,
+                               f"the scheduler refused: {e.cause!r}") from None
+
+    async def _submit(self, spec: GenerationSpec) -> SubmitAnswer:
+        fut: asyncio.Future[SubmitAnswer] = asyncio.get_running_loop().create_future()
+        self._pending_submits.append((spec, fut))
+        if self._submitting is None or self._submitting.done():
+            self._submitting = asyncio.get_running_loop().create_task(
+                self._send_submits(), context=contextvars.Context())
+        return await fut
+
+    async def _send_submits(self) -> None:
+        """One RPC at a time; what arrives meanwhile goes in the next one, together."""
+        while self._pending_submits:
+            batch, self._pending_submits = self._pending_submits, []
+            try:
+                raw = await self._rpc(self._sched.submit.remote(encode(SubmitBatch(
+                    tuple(s for s, _ in batch)))), self._request_timeout_s)
+                answers = decode(raw, SubmitAnswers)
+                self._set_shed(answers.shed_s_by_tier)
+                by_id = {a.req_id: a for a in answers.answers}
+                for spec, fut in batch:
+                    if not fut.done():
+                        fut.set_result(by_id.get(spec.req_id) or SubmitAnswer(
+                            spec.req_id, SubmitOutcome.UNAVAILABLE, "no answer"))
+            except (BackendError, MessageError) as e:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e if isinstance(e, BackendError) else BackendError(
+                            BackendErrorKind.UNAVAILABLE, str(e)))
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[TokenDelta]:
-        import ray
-
+        self._ensure_subscriptions()
+        wait = self._shed_left(spec.tier)
+        if wait > 0:
+            raise BackendError(BackendErrorKind.REJECTED,
+                               f"tier {spec.tier} is being shed (overload)", retry_after_s=wait)
         produced: list[int] = []
         attempt = 0
         first_token_time: float | None = None
-        current = spec
+        current = replace(spec, router_id=self.router_id)
         try:
             while True:
+                lv = _Live(asyncio.Queue())
                 self._attempt[spec.req_id] = current.req_id
-                ticket = unpack(await self._rpc(self._sched.submit.remote(pack(current.to_dict())),
-                                                self._request_timeout_s))
-                kind = ticket["kind"]
-                if kind == "rejected":
-                    raise BackendError(BackendErrorKind.REJECTED,
-                                       f"admission rejected the request: {ticket.get('reason')}",
-                                       retry_after_s=ticket.get("retry_after_s"))
-                if kind != "placed":
-                    raise BackendError(BackendErrorKind.UNAVAILABLE,
-                                       f"no worker can take the request: {ticket.get('reason')}")
-                decode_id = str(ticket["decode_worker_id"])
-                failure: str | None = None
+                self._live[current.req_id] = lv
                 try:
-                    gen = self._decode[decode_id].stream.options(
-                        num_returns="streaming").remote(current.req_id)
-                    async for ref in gen:
-                        item = unpack(await ref)
-                        if item.get("e"):
-                            failure = str(item["e"])
+                    failure = None
+                    ans = await self._submit(current)
+                    if ans.outcome is SubmitOutcome.REJECTED:
+                        raise BackendError(BackendErrorKind.REJECTED,
+                                           f"admission rejected the request: {ans.reason}",
+                                           retry_after_s=ans.retry_after_s)
+                    if ans.outcome is SubmitOutcome.INVALID:
+                        raise BackendError(BackendErrorKind.INVALID, ans.reason)
+                    if ans.outcome is not SubmitOutcome.ACCEPTED:
+                        raise BackendError(BackendErrorKind.UNAVAILABLE,
+                                           f"no worker can take the request: {ans.reason}")
+                    while True:
+                        d = await lv.queue.get()
+                        if d.error:
+                            failure = d.error
                             break
-                        ids = tuple(int(t) for t in item["t"])
-                        if ids and first_token_time is None:
+                        if d.token_ids and first_token_time is None:
                             first_token_time = time.time()
-                        produced.extend(ids)
-                        finish = FinishReason(item["f"]) if item.get("f") else None
-                        if finish is not None:
-                            # Close the books before the last yield: the client may hang
-                            # up right after it, which cancels what this task awaits.
-                            await self._finish(current, first_token_time, len(produced),
-                                               finish.value, spec)
-                        if ids or finish:
-                            yield TokenDelta(ids, finish)
+                        produced.extend(d.token_ids)
+                        finish = FinishReason(d.finish) if d.finish else None
+                        if d.token_ids or finish:
+                            if finish is not None:
+                                self._finish(current, first_token_time, len(produced),
+                                             finish.value, spec)
+                            yield TokenDelta(tuple(d.token_ids), finish)
                         if finish is not None:
                             return
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                    failure = f"decode worker {decode_id} died ({type(e).__name__})"
-                    await self._report_dead(decode_id)
-                if failure is None:
-                    failure = "stream ended early"
+                finally:
+                    self._live.pop(current.req_id, None)
                 attempt += 1
-                await self._finish(current, first_token_time, len(produced), "worker_failed")
+                self._finish(current, first_token_time, len(produced), "worker_failed", spec)
                 log.warning("request %s attempt %d failed: %s", spec.req_id, attempt, failure)
                 left = spec.sampling.max_tokens - len(produced)
+                if failure not in RETRYABLE:
+                    raise BackendError(BackendErrorKind.INVALID
+                                       if failure.startswith("invalid") else BackendErrorKind.FAILED,
+                                       f"the request failed: {failure}")
                 if attempt >= MAX_ATTEMPTS or left <= 0:
                     raise BackendError(BackendErrorKind.FAILED,
                                        f"the request failed after {attempt} attempts: {failure}")
                 current = replace(
-                    spec, req_id=f"{spec.req_id}-r{attempt}",
+                    current, req_id=f"{spec.req_id}-r{attempt}",
                     prompt_token_ids=spec.prompt_token_ids + tuple(produced),
                     sampling=SamplingSpec(left, spec.sampling.temperature, spec.sampling.top_p,
                                           spec.sampling.seed))
         finally:
             self._attempt.pop(spec.req_id, None)
 
-    async def _report_dead(self, worker_id: str) -> None:
-        try:
-            await self._rpc(self._sched.worker_failed.remote(worker_id))
-        except BackendError:
-            log.warning("could not report dead worker %s", worker_id)
+    def _finish(self, current: GenerationSpec, first: float | None, n: int, outcome: str,
+                original: GenerationSpec) -> None:
+        """Queue the request's client-side timings; sent in batches, never awaited by the
+        stream (the last token is not held behind a scheduler RPC)."""
+        self._finishes.append(FinishTiming(current.req_id, original.arrival_time, first,
+                                           time.time(), n, outcome))
+        if self._finisher is None or self._finisher.done():
+            self._finisher = asyncio.get_running_loop().create_task(
+                self._send_finishes(), context=contextvars.Context())
 
-    async def _finish(self, current: GenerationSpec, first: float | None, n: int, outcome: str,
-                      original: GenerationSpec | None = None) -> None:
-        timing = {"first_token_time": first, "finish_time": time.time(), "num_output_tokens": n,
-                  "outcome": outcome,
-                  "arrival_time": (original or current).arrival_time}
-        try:
-            await self._rpc(self._sched.finish.remote(current.req_id, pack(timing)))
-        except Exception as e:  # metrics only: never fail the request for them
-            log.warning("could not close the books of %s: %s", current.req_id, e)
+    async def _send_finishes(self) -> None:
+        while self._finishes:
+            await asyncio.sleep(FINISH_FLUSH_S)
+            batch, self._finishes = self._finishes, []
+            try:
+                await self._rpc(self._sched.finish.remote(encode(FinishBatch(tuple(batch)))))
+            except Exception as e:  # metrics only: never fail a request for them
+                log.warning("could not send %d finish timings: %s", len(batch), e)
 
     async def abort(self, req_id: str) -> None:
         rid = self._attempt.get(req_id, req_id)
         try:
-            await self._rpc(self._sched.abort.remote(rid))
+            await self._rpc(self._sched.abort.remote(encode(AbortBatch((rid,)))))
         except BackendError:
             log.warning("abort of %s did not reach the scheduler", rid)
 
     async def health(self) -> dict[str, Any]:
+        self._ensure_subscriptions()
         stats = unpack(await self._rpc(self._sched.stats.remote()))
         workers = stats["workers"]
         live = {r: sum(1 for w in workers.values() if w["alive"] and w["role"] == r)
                 for r in ("prefill", "decode")}
-        return {"ok": live["prefill"] > 0 and live["decode"] > 0, "live_workers": live,
-                "policy": stats["policy"]}
+        mode = stats.get("mode", "disaggregated")
+        ok = bool(stats.get("ready", True)) and live["decode"] > 0 and (
+            live["prefill"] > 0 or mode == "aggregated")
+        return {"ok": ok, "live_workers": live, "policy": stats["policy"], "mode": mode}
 
     async def why(self, req_id: str) -> dict[str, Any] | None:
         return unpack(await self._rpc(self._sched.why.remote(req_id)))

@@ -23,7 +23,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from scheduler.tiers import ConfigError, ShareMode, TierConfig, TierSpec, default_tiers
+from scheduler.tiers import (
+    ConfigError,
+    ShareMode,
+    TierConfig,
+    TierSpec,
+    cpu_tiers,
+    default_tiers,
+)
 
 __all__ = [
     "ClusterConfig",
@@ -59,7 +66,11 @@ class ModelConfig(_Frozen):
 
 
 class PoolsConfig(_Frozen):
-    num_prefill: int = Field(1, ge=1, le=64)
+    # Where prefills run (DESIGN §1): on prefill workers with the KV streamed to the decode
+    # worker ("disaggregated"), on the decode worker itself ("aggregated": no prefill
+    # workers are needed), or chosen per request by the kernel ("auto").
+    mode: Literal["disaggregated", "aggregated", "auto"] = "disaggregated"
+    num_prefill: int = Field(1, ge=0, le=64)
     num_decode: int = Field(1, ge=1, le=64)
     # Ray resources per worker: fractional CPUs on CPU machines, one GPU on GPU nodes.
     num_cpus_per_worker: float = Field(0.5, gt=0)
@@ -77,6 +88,9 @@ class PoolsConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> PoolsConfig:
+        if self.mode != "aggregated" and self.num_prefill < 1:
+            raise ValueError(f"num_prefill: mode {self.mode!r} needs at least one prefill "
+                             "worker (mode aggregated needs none)")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
@@ -99,7 +113,10 @@ class TierEntry(_Frozen):
 
 
 class TiersConfig(_Frozen):
-    # Empty: DESIGN §5's four default tiers.
+    # Empty: the preset's four tiers (DESIGN §5). "gpu": 200 ms TTFT / 50 ms TPOT for
+    # tier 0; "cpu": 1 s / 250 ms, targets a CPU engine can meet; "auto": cpu unless the
+    # workers get GPUs (resolved by :func:`resolve_presets` before the tree is shipped).
+    preset: Literal["auto", "gpu", "cpu"] = "auto"
     tiers: tuple[TierEntry, ...] = ()
     share_mode: Literal["soft", "quota"] = "soft"
     anti_thrash_s: float = 1.0
@@ -109,7 +126,7 @@ class TiersConfig(_Frozen):
 
     def to_tier_config(self) -> TierConfig:
         """The kernel's frozen TierConfig; raises ConfigError naming ``tiers.…``."""
-        base = default_tiers()
+        base = cpu_tiers() if self.preset == "cpu" else default_tiers()
         specs = (
             tuple(TierSpec(**t.model_dump()) for t in self.tiers) if self.tiers else base.tiers
         )
@@ -257,6 +274,22 @@ class ClusterConfig(_Frozen):
         return self.tiers.to_tier_config()
 
     @property
+    def pool_mode(self) -> str:
+        return self.pools.mode
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.pools.num_gpus_per_worker > 0 or self.model.device == "cuda"
+
+    def resolve_presets(self) -> ClusterConfig:
+        """The tree with ``tiers.preset: auto`` made concrete (cpu unless the workers get
+        GPUs), so every process that receives it sees the same targets."""
+        if self.tiers.preset != "auto":
+            return self
+        preset = "gpu" if self.uses_gpus else "cpu"
+        return self.model_copy(update={"tiers": self.tiers.model_copy(update={"preset": preset})})
+
+    @property
     def requires_api_key(self) -> bool:
         """Open access until any key is configured (DESIGN: keys required once configured)."""
         return any(t.api_keys for t in self.tenants)
@@ -371,4 +404,4 @@ def load_config(
     for key, value in (direct or {}).items():
         if value is not None:
             _apply(tree, tuple(key.split(".")), value)
-    return ClusterConfig.from_dict(tree)
+    return ClusterConfig.from_dict(tree).resolve_presets()

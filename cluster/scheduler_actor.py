@@ -2,10 +2,10 @@
 
 :class:`RayWorkerClient` reaches workers through their actor handles, every call
 awaited with a timeout; an unreachable worker raises ``WorkerGone``. The actor adds
-a health loop: each worker is pinged every second, and one that does not answer is
-marked dead; requests it held are aborted on their surviving worker so their token
-streams end at once and the router retries them (recompute) elsewhere.
-Messages in and out are msgpack bytes. With ``tracing.enabled`` the scheduler gets a
+registration and a health loop: each worker is pinged every second, and one that does not
+answer is removed from the kernel's view (its requests end with a retryable error on
+their routers' notice streams). Messages in and out are typed ``scheduler.messages``
+messages as msgpack bytes. With ``tracing.enabled`` the scheduler gets a
 :class:`~cluster.tracing.RequestTracer` (:func:`make_tracer`) and emits one trace per
 request as it closes.
 """
@@ -14,11 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.global_scheduler import GlobalScheduler, WorkerGone
 from cluster.messages import pack, unpack
+from cluster.worker_setup import cost_prior, link_costs
+from scheduler.cluster_scheduler import PoolMode
+from scheduler.messages import (
+    AbortBatch,
+    Dispatch,
+    DispatchAnswer,
+    FinishBatch,
+    SubmitBatch,
+    WorkerReport,
+    decode,
+    encode,
+)
 from scheduler.topology import WorkerInfo, WorkerRole
 
 if TYPE_CHECKING:
@@ -35,42 +48,32 @@ class RayWorkerClient:
         self.handles = handles
         self.timeout_s = timeout_s
 
-    async def _call(self, worker_id: str, method: str, *args: Any) -> Any:
+    async def _call(self, worker_id: str, method: str, *args: Any,
+                    timeout: float | None = None) -> Any:
         import ray
 
         handle = self.handles.get(worker_id)
         if handle is None:
             raise WorkerGone(worker_id)
         try:
-            return await asyncio.wait_for(getattr(handle, method).remote(*args), self.timeout_s)
+            return await asyncio.wait_for(getattr(handle, method).remote(*args),
+                                          timeout or self.timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError,
                 ray.exceptions.ActorUnavailableError) as e:
             raise WorkerGone(f"{worker_id}: {type(e).__name__}") from None
 
-    async def reserve(self, worker_id: str, msg: dict[str, Any]) -> dict[str, Any]:
-        return unpack(await self._call(worker_id, "reserve", pack(msg)))
+    async def dispatch(self, worker_id: str, msg: Dispatch) -> DispatchAnswer:
+        return decode(await self._call(worker_id, "dispatch", encode(msg)), DispatchAnswer)
 
-    async def start_prefill(self, worker_id: str, msg: dict[str, Any]) -> None:
-        await self._call(worker_id, "start_request", pack(msg))
-
-    async def preempt(self, worker_id: str, req_id: str, mode: str, for_req_id: str) -> bool:
+    async def preempt(self, worker_id: str, req_id: str, mode: str,
+                      for_req_id: str | None) -> bool:
         return bool(await self._call(worker_id, "preempt", req_id, mode, for_req_id))
 
-    async def abort(self, worker_id: str, req_id: str, error: str | None = None) -> None:
-        if error is None:
-            await self._call(worker_id, "abort", req_id)
-        else:  # decode workers only: the request's stream ends with ``error``
-            await self._call(worker_id, "abort", req_id, error)
+    async def abort(self, worker_id: str, req_id: str) -> None:
+        await self._call(worker_id, "abort", req_id)
 
     async def ping(self, worker_id: str) -> None:
-        import ray
-
-        handle = self.handles[worker_id]
-        try:
-            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_S)
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError,
-                ray.exceptions.ActorUnavailableError) as e:
-            raise WorkerGone(f"{worker_id}: {type(e).__name__}") from None
+        await self._call(worker_id, "ping", timeout=PING_TIMEOUT_S)
 
 
 def make_tracer(cfg: ClusterConfig) -> RequestTracer | None:
@@ -100,50 +103,50 @@ class SchedulerService:
         self.client.handles.update(handles)
         self.infos = list(infos)
         bpb = max((int(i.get("bytes_per_block", 0)) for i in infos), default=0) or 1 << 16
+        device = next((str(i["location"]["device"]) for i in infos), "cpu")
+        p = self.cfg.pools
         self.core = GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
-                                    self.cfg.pools.block_size, self.client,
-                                    bytes_per_block=bpb,
+                                    p.block_size, self.client, link_costs(bpb),
+                                    mode=PoolMode(self.cfg.pool_mode),
                                     control_interval_s=self.cfg.scheduling.control_interval_s,
+                                    cost_prior=cost_prior(device),
+                                    chunk_tokens=p.prefill_chunk_size,
                                     tracer=make_tracer(self.cfg))
+        mode = self.core.core.mode
         for i in infos:
             loc = i["location"]
             role = WorkerRole(i["role"])
-            self.core.register_worker(
-                WorkerInfo(str(i["worker_id"]), role, str(loc["node"]), str(loc["device"]),
-                           str(loc["nvlink_domain"]), int(i["num_total_blocks"])),
-                int(i["num_free_blocks"]))
+            info = WorkerInfo(str(i["worker_id"]), role, str(loc["node"]), str(loc["device"]),
+                              str(loc["nvlink_domain"]), int(i["num_total_blocks"]))
+            decodes = role is WorkerRole.DECODE
+            self.core.register_worker(info, int(i["num_free_blocks"]),
+                                      can_prefill=not decodes or mode is not PoolMode.DISAGGREGATED,
+                                      can_decode=decodes)
         self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    def ready(self) -> bool:
+        return self.core is not None
 
     def _core(self) -> GlobalScheduler:
         if self.core is None:
-            raise RuntimeError("the scheduler has no workers registered yet")
+            raise SchedulerNotReady("the scheduler has no workers registered yet")
         return self.core
-
-    async def worker_failed(self, worker_id: str) -> None:
-        lost = self._core().mark_dead(worker_id)
-        await self._end_streams(worker_id, lost)
-
-    async def _end_streams(self, dead_id: str, lost: list[str]) -> None:
-        core = self._core()
-        for rid in lost:
-            for w in core.workers.values():
-                if w.info.worker_id != dead_id and w.is_alive and w.info.role is WorkerRole.DECODE:
-                    try:
-                        await self.client.abort(w.info.worker_id, rid, "worker_failed")
-                    except WorkerGone:
-                        continue
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
             core = self._core()
-            alive = [wid for wid, w in core.workers.items() if w.is_alive]
+            alive = [wid for wid, w in core.core.workers.items() if w.is_alive]
             results = await asyncio.gather(*(self.client.ping(w) for w in alive),
                                            return_exceptions=True)
             for wid, res in zip(alive, results, strict=True):
                 if isinstance(res, WorkerGone):
                     log.warning("worker %s did not answer its ping", wid)
-                    await self.worker_failed(wid)
+                    core.worker_failed(wid)
+
+
+class SchedulerNotReady(RuntimeError):
+    """Asked before the workers registered (the router answers 503 meanwhile)."""
 
 
 def _make_actor_class() -> Any:
@@ -158,21 +161,34 @@ def _make_actor_class() -> Any:
         async def register(self, infos: bytes, handles: dict[str, Any]) -> None:
             await self._svc.register(unpack(infos), handles)
 
-        async def submit(self, spec: bytes) -> bytes:
-            return pack(await self._svc._core().submit(unpack(spec)))
+        async def submit(self, batch: bytes) -> bytes:
+            return encode(self._svc._core().submit_batch(decode(batch, SubmitBatch)))
 
         async def report(self, rep: bytes) -> None:
             if self._svc.core is not None:  # reports may arrive before registration
-                self._svc.core.report(unpack(rep))
+                self._svc.core.report(decode(rep, WorkerReport))
 
-        async def abort(self, req_id: str) -> None:
-            await self._svc._core().abort(req_id)
+        async def abort(self, batch: bytes) -> None:
+            core = self._svc._core()
+            for rid in decode(batch, AbortBatch).req_ids:
+                core.abort(rid)
 
-        async def finish(self, req_id: str, timing: bytes) -> None:
-            self._svc._core().finish(req_id, unpack(timing))
+        async def finish(self, batch: bytes) -> None:
+            self._svc._core().finish_batch(decode(batch, FinishBatch))
+
+        async def notices(self, router_id: str) -> AsyncIterator[bytes]:
+            inner = self._svc._core().notices(router_id)
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                await inner.aclose()
 
         async def worker_failed(self, worker_id: str) -> None:
-            await self._svc.worker_failed(worker_id)
+            self._svc._core().worker_failed(worker_id)
+
+        async def ready(self) -> bool:
+            return self._svc.ready()
 
         async def why(self, req_id: str) -> bytes:
             return pack(self._svc._core().why(req_id))
@@ -182,7 +198,9 @@ def _make_actor_class() -> Any:
             return payload
 
         async def stats(self) -> bytes:
-            return pack(self._svc._core().stats())
+            if not self._svc.ready():
+                return pack({"ready": False, "workers": {}, "policy": self._svc.cfg.scheduling.policy})
+            return pack({"ready": True, **self._svc._core().stats()})
 
         async def worker_infos(self) -> bytes:
             """The registered workers' setup infos (empty before registration)."""

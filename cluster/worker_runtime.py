@@ -1,25 +1,16 @@
-"""What prefill and decode workers share: one engine thread, engine settings, reports.
+"""Cluster-side pieces of building a worker: the model path, its device, its engine with
+this cluster's settings, and where it runs (node, device, NVLink domain).
 
-The engine is not thread-safe, and its ``step()`` takes milliseconds to seconds, so a
-worker (an async Ray actor) runs every engine call on one dedicated thread
-(:class:`EngineThread`): the event loop stays free for control calls and token
-streaming, and engine calls never overlap. Block events and lifecycle events are
-collected between reports and shipped to the global scheduler as one msgpack dict
-(:class:`ReportBuffer`, format in ``cluster/messages.py``).
+The runtime the workers themselves share (the engine thread, sampling from the wire)
+lives a floor below both pools, in ``engine/service.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import os
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.messages import WorkerEvent, event
 from cluster.topology import (
     LABEL_DOMAIN,
     LABEL_K8S_NODE,
@@ -27,23 +18,6 @@ from cluster.topology import (
     detect_location,
     label_value,
 )
-from router.backend import GenerationSpec
-
-T = TypeVar("T")
-
-
-class EngineThread:
-    """Runs callables on one thread, in submission order."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def resolve_model_path(path: str) -> str:
@@ -120,48 +94,3 @@ def locate(cfg: ClusterConfig, role: str, index: int, device: str,
             node = os.uname().nodename
     domain = label_value(labels, LABEL_DOMAIN) or (entry.nvlink_domain if entry else None)
     return detect_location(node, device, domain)
-
-
-def bytes_per_block(engine: Any) -> int:
-    lay = engine.pool.kv_layout()
-    elem = lay.dtype.itemsize if hasattr(lay.dtype, "itemsize") else 4
-    return int(lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim * elem)
-
-
-def sampling_params(spec: GenerationSpec) -> Any:
-    from engine import SamplingParams
-
-    s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          seed=s.seed, stop_token_ids=spec.stop_token_ids, logprobs=False)
-
-
-class ReportBuffer:
-    """Events gathered between two reports to the global scheduler."""
-
-    def __init__(self, worker_id: str, role: str, location: WorkerLocation) -> None:
-        self.worker_id = worker_id
-        self.role = role
-        self.location = location
-        self.events: list[dict[str, Any]] = []
-        self.block_events: list[dict[str, Any]] = []
-        self.transfers: list[dict[str, Any]] = []
-
-    def add(self, req_id: str, kind: WorkerEvent, **extra: Any) -> None:
-        ev = event(req_id, kind, time.time())
-        ev.update(extra)
-        self.events.append(ev)
-
-    def add_block_events(self, events: list[Any]) -> None:
-        for e in events:
-            d = e.to_dict()
-            kind = "stored" if d.get("type") == "stored" else "removed"
-            self.block_events.append({"kind": kind, "block_hashes": list(d["block_hashes"]),
-                                      "parent_hash": d.get("parent_hash")})
-
-    def take(self, **state: Any) -> dict[str, Any]:
-        rep = {"worker_id": self.worker_id, "role": self.role,
-               "location": self.location.to_dict(), "events": self.events,
-               "block_events": self.block_events, "transfers": self.transfers, **state}
-        self.events, self.block_events, self.transfers = [], [], []
-        return rep

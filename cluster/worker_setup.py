@@ -3,8 +3,10 @@
 Called once from each worker actor's ``setup()``: loads the model (off the event loop),
 finds the worker's node / device / NVLink domain, opens the kvtransfer endpoint
 (consumer on decode workers, producer on prefill workers), builds the scheduling policy
-the worker orders its local queue with, and wires the report channel to the named
-global scheduler actor. Every remote call made from here is awaited with a timeout.
+the worker composes its steps with (its estimate is the worker's own learned
+``StepCosts``), and wires the report channel to the named global scheduler actor and the
+calls to its peers. Every remote call made from here is awaited with a timeout; every
+message is a typed ``scheduler.messages`` message.
 """
 
 from __future__ import annotations
@@ -13,18 +15,47 @@ import asyncio
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.messages import pack
 from cluster.worker_runtime import build_engine, locate
+from engine.service import bytes_per_block
+from scheduler.messages import PrefilledBatch, StartPrefill, WorkerReport, encode
+from scheduler.step_costs import CPU_PRIOR, GPU_PRIOR, StepCosts
+from scheduler.step_planner import WorkerLimits
+from scheduler.topology import WorkerRole
 
 RPC_TIMEOUT_S = 10.0
 
 
-def _policy(cfg: ClusterConfig, bytes_per_block: int) -> Any:
-    from cluster.global_scheduler import MeasuredEstimate, default_link_costs
+def link_costs(bytes_per_block: int) -> Any:
+    """Prior link costs per topology class (the workers' measured rates refine the
+    transfer figures in /metrics; the kernel prices moves with these)."""
+    from scheduler.topology import LinkCosts, TopologyClass
+
+    gb = 1e9
+    return LinkCosts(
+        bytes_per_block=bytes_per_block,
+        bw={TopologyClass.SAME_DEVICE: 500 * gb, TopologyClass.SAME_DOMAIN: 150 * gb,
+            TopologyClass.SAME_NODE: 20 * gb, TopologyClass.CROSS_NODE: 10 * gb},
+        latency={TopologyClass.SAME_DEVICE: 5e-6, TopologyClass.SAME_DOMAIN: 10e-6,
+                 TopologyClass.SAME_NODE: 30e-6, TopologyClass.CROSS_NODE: 100e-6},
+        host_bw=20 * gb,
+    )
+
+
+def cost_prior(device: str) -> tuple[float, ...]:
+    return GPU_PRIOR if device.startswith("cuda") else CPU_PRIOR
+
+
+def limits(cfg: ClusterConfig) -> WorkerLimits:
+    p = cfg.pools
+    return WorkerLimits(p.block_size, p.max_num_seqs, max(p.max_num_batched_tokens, p.max_num_seqs),
+                        p.prefill_chunk_size)
+
+
+def worker_policy(cfg: ClusterConfig, engine: Any, costs: StepCosts) -> Any:
     from scheduler.policies import make_policy
     from scheduler.policy import PolicyContext
 
-    ctx = PolicyContext(cfg.tier_config, MeasuredEstimate(), default_link_costs(bytes_per_block),
+    ctx = PolicyContext(cfg.tier_config, costs, link_costs(bytes_per_block(engine)),
                         cfg.pools.block_size)
     return make_policy(cfg.scheduling.policy, ctx)
 
@@ -54,45 +85,69 @@ async def _actor(name: str, namespace: str) -> Any:
 async def _reporter(scheduler_name: str, namespace: str) -> Any:
     handle = await _actor(scheduler_name, namespace)
 
-    async def report(rep: dict[str, Any]) -> None:
-        await asyncio.wait_for(handle.report.remote(pack(rep)), RPC_TIMEOUT_S)
+    async def report(rep: WorkerReport) -> None:
+        await asyncio.wait_for(handle.report.remote(encode(rep)), RPC_TIMEOUT_S)
 
     return report
 
 
+def _peer_caller(namespace: str) -> Any:
+    handles: dict[str, Any] = {}
+
+    async def handle(worker_id: str) -> Any:
+        if worker_id not in handles:
+            handles[worker_id] = await _actor(worker_id, namespace)
+        return handles[worker_id]
+
+    return handle
+
+
+def _costs(cfg: ClusterConfig, engine: Any) -> StepCosts:
+    device = str(engine.pool.kv_layout().device)
+    return StepCosts(cost_prior(device), chunk_tokens=cfg.pools.prefill_chunk_size)
+
+
 async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
                              scheduler_name: str, namespace: str) -> Any:
-    from cluster.worker_runtime import bytes_per_block
     from decode_pool.worker import DecodeWorker
 
     engine = await asyncio.to_thread(build_engine, cfg, role="decode")
     location = locate(cfg, "decode", index, str(engine.pool.kv_layout().device))
     consumer = _transfer_endpoint("consumer", engine, location)
-    worker = DecodeWorker(worker_id, cfg, engine, consumer, location,
-                          await _reporter(scheduler_name, namespace),
-                          _policy(cfg, bytes_per_block(engine)))
+    peer = _peer_caller(namespace)
+
+    async def start_prefill(prefill_worker_id: str, msg: StartPrefill) -> str | None:
+        h = await peer(prefill_worker_id)
+        return await asyncio.wait_for(h.start_request.remote(encode(msg)), RPC_TIMEOUT_S)
+
+    costs = _costs(cfg, engine)
+    info = location.to_worker_info(worker_id, WorkerRole.DECODE, engine.num_total_blocks)
+    worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs), costs,
+                          limits(cfg), await _reporter(scheduler_name, namespace), start_prefill,
+                          control_interval_s=cfg.scheduling.control_interval_s)
+    worker.location = location
     worker.start()
     return worker
 
 
 async def make_prefill_worker(worker_id: str, index: int, cfg: ClusterConfig,
                               scheduler_name: str, namespace: str) -> Any:
-    from cluster.worker_runtime import bytes_per_block
     from prefill_pool.worker import PrefillWorker
 
     engine = await asyncio.to_thread(build_engine, cfg, role="prefill")
     location = locate(cfg, "prefill", index, str(engine.pool.kv_layout().device))
     producer = _transfer_endpoint("producer", engine, location)
-    handles: dict[str, Any] = {}
+    peer = _peer_caller(namespace)
 
-    async def notify_decode(decode_worker_id: str, msg: dict[str, Any]) -> None:
-        if decode_worker_id not in handles:
-            handles[decode_worker_id] = await _actor(decode_worker_id, namespace)
-        await asyncio.wait_for(handles[decode_worker_id].prefilled.remote(pack(msg)),
-                               RPC_TIMEOUT_S)
+    async def notify_decode(decode_worker_id: str, batch: PrefilledBatch) -> None:
+        h = await peer(decode_worker_id)
+        await asyncio.wait_for(h.prefilled.remote(encode(batch)), RPC_TIMEOUT_S)
 
-    worker = PrefillWorker(worker_id, cfg, engine, producer, location,
-                           await _reporter(scheduler_name, namespace), notify_decode,
-                           _policy(cfg, bytes_per_block(engine)))
+    costs = _costs(cfg, engine)
+    info = location.to_worker_info(worker_id, WorkerRole.PREFILL, engine.num_total_blocks)
+    worker = PrefillWorker(info, engine, producer, worker_policy(cfg, engine, costs), costs,
+                           limits(cfg), await _reporter(scheduler_name, namespace), notify_decode,
+                           control_interval_s=cfg.scheduling.control_interval_s)
+    worker.location = location
     worker.start()
     return worker

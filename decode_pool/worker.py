@@ -1,100 +1,133 @@
-"""The decode worker: receives prefilled KV, decodes in continuous batches, streams tokens.
+"""The decode worker: receives prefilled KV (or prefills itself), decodes in continuous
+batches as the kernel plans each step, streams each step's tokens to the routers.
 
-Life of a request on a decode worker (STYLE.md item 7):
+Life of a request on a decode worker (STYLE.md item 7), by the stage that holds it:
 
-1. RESERVE: the global scheduler asks for the prompt's blocks; ``engine.reserve`` takes
-   them all or none (prefix-cache hits reused); ``KVConsumer.expect`` turns the slots into
-   a ticket the prefill worker streams into. A token stream (queue) opens for the router.
-2. RECEIVE: the prefill worker's blocks land in the reserved slots; its control message
-   ``prefilled`` brings the first token, which goes out on the stream at once (it does
-   not depend on the transfer).
-3. JOIN: transfer DONE and first token known -> ``engine.add_prefilled_request``
-   (DECODE_START). Transfer FAILED/ABORTED -> blocks
-   released, the stream ends with an error the router retries.
-4. DECODE: the step loop runs ``engine.step()`` on the engine thread; new tokens go to
-   the streams; finished requests leave (their blocks freed by the engine).
-5. PREEMPT / RESUME: the global scheduler may preempt a request for a higher tier (swap to
-   host memory or recompute); swapped requests come back (``swap_in``) in the order the
-   scheduling policy gives, as soon as blocks are free. The engine itself recomputes the
-   newest request when a decode finds no block; both are reported as events.
-6. ABORT: router abort (client gone), a reader that leaves the stream before its end, or a
-   dead peer: blocks freed (a reservation still receiving once its transfer has ended, so
-   that no block lands in memory given to another request), stream closed.
+1. DISPATCH: the global scheduler sends a ``Dispatch``. With a prefill worker named, the
+   prompt's blocks are reserved all or none (``engine.reserve``, prefix-cache hits
+   reused), ``KVConsumer.expect`` turns them into a ticket and the prefill worker gets a
+   ``StartPrefill``: stage RECEIVING. Without one (``pools.mode`` aggregated, or auto's
+   choice) the request is admitted into this engine with all of its blocks: PREFILLING.
+2. RECEIVING -> DECODING: the prefill worker's ``PrefilledBatch`` brings the first
+   token, which goes out to the router at once (it does not depend on the transfer);
+   transfer DONE and first token known -> ``engine.add_prefilled_request``. A failed
+   transfer ends the request with ``transfer_failed`` (its router retries).
+3. Every step, :class:`~scheduler.step_planner.WorkerScheduler` (the policy) composes the
+   engine's step: the decode batch sized for the tiers' TPOT targets, local prefill
+   chunks, KV-pressure victims (swap or recompute, lowest tier first), swap-ins; the
+   engine runs exactly that (``run_plan``) on the engine thread.
+4. The step's tokens go to each router as ONE ``TokenBatch`` (its subscription stream);
+   finished requests leave and free their blocks.
+5. PREEMPT (the global scheduler, for a more urgent arrival): swap to host memory
+   (SWAPPED, back when blocks free up) or recompute here (PREFILLING again).
+6. ABORT: the router's client left, the cluster gave up on it, or a reader vanished:
+   blocks freed (a reservation still receiving once its transfer has ended, so that no
+   block lands in memory given to another request).
 
-Every lifecycle change is reported to the global scheduler as an event (msgpack report,
-every control interval). :class:`DecodeWorker` is a plain class; :class:`DecodeWorkerActor`
-is the thin Ray actor around it.
+Every lifecycle change is reported to the global scheduler as an event (one
+``WorkerReport`` right after a step that produced events, else every control interval),
+with the running requests, free blocks and the fitted step costs. :class:`DecodeWorker`
+is a plain class; the Ray actor around it lives in ``cluster/worker_actors.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from cluster.aio import wait_event
-from cluster.config import ClusterConfig
-from cluster.messages import WorkerEvent, pack, unpack
-from cluster.topology import WorkerLocation
-from cluster.worker_runtime import EngineThread, ReportBuffer, bytes_per_block, sampling_params
-from router.backend import GenerationSpec
-from scheduler.preemption import PreemptMode, VictimView
+from engine.service import EngineThread, block_events, sampling_params, wait_event
+from scheduler.messages import (
+    BlockEvent,
+    Dispatch,
+    DispatchAnswer,
+    GenerationSpec,
+    PrefilledBatch,
+    ReqEvent,
+    RunningReq,
+    StartPrefill,
+    TokenBatch,
+    TokenDelta,
+    TransferStat,
+    WorkerEvent,
+    WorkerReport,
+    encode,
+)
+from scheduler.policy import SchedulingPolicy
+from scheduler.preemption import PreemptMode
 from scheduler.request import Request, RequestState
-from scheduler.topology import WorkerRole
+from scheduler.step_costs import StepCosts
+from scheduler.step_planner import StepPlan, WorkerLimits, WorkerScheduler
+from scheduler.topology import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-ReportFn = Callable[[dict[str, Any]], Awaitable[None]]
+ReportFn = Callable[[WorkerReport], Awaitable[None]]
+# Returns None when the prefill worker took the request, else why it refused it.
+StartPrefillFn = Callable[[str, StartPrefill], Awaitable[str | None]]
+# A router that stays unsubscribed this long loses its requests (its clients are gone).
+ROUTER_GRACE_S = 10.0
+# Ids of aborted requests remembered so a dispatch that races its abort is refused.
+TOMBSTONE_S = 60.0
+
+
+class Stage(enum.Enum):
+    RECEIVING = "receiving"  # blocks reserved, KV arriving from a prefill worker
+    PREFILLING = "prefilling"  # prefilled here: a local prefill, or a recompute
+    DECODING = "decoding"
+    SWAPPED = "swapped"
 
 
 @dataclass(slots=True)
 class _Req:
     spec: GenerationSpec
-    stream: asyncio.Queue[dict[str, Any]]
-    block_ids: list[int] = field(default_factory=list)
+    stage: Stage
+    kreq: Request  # this worker's kernel view (tier, progress) for the step planner
+    block_ids: tuple[int, ...] = ()
     first_token: int | None = None
+    first_token_time: float | None = None
     early_finish: str | None = None  # the prefill's first token was also its last
-    is_joined: bool = False  # in the engine as a running request
-    is_swapped: bool = False
-    is_recomputing: bool = False
-    num_blocks: int = 0
-    num_output_tokens: int = 0
-    last_preempt_time: float | None = None
+    num_streamed: int = 0  # output tokens sent to the router
 
-    def kernel_view(self, state: RequestState) -> Request:
-        return Request(self.spec.req_id, self.spec.tier, self.spec.arrival_time,
-                       len(self.spec.prompt_token_ids), self.spec.sampling.max_tokens,
-                       state=state, num_output_tokens=self.num_output_tokens,
-                       last_preempt_time=self.last_preempt_time)
+    @property
+    def router_id(self) -> str:
+        return self.spec.router_id
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, cfg: ClusterConfig, engine: Any, consumer: Any,
-                 location: WorkerLocation, report: ReportFn, policy: Any) -> None:
-        self.worker_id = worker_id
-        self.cfg = cfg
+    def __init__(self, info: WorkerInfo, engine: Any, consumer: Any, policy: SchedulingPolicy,
+                 costs: StepCosts, limits: WorkerLimits, report: ReportFn,
+                 start_prefill: StartPrefillFn, *, control_interval_s: float = 0.1) -> None:
+        self.info = info
+        self.worker_id = info.worker_id
         self.engine = engine
         self.consumer = consumer
-        self.location = location
         self.policy = policy
-        self._report = report
-        self._thread = EngineThread(f"decode-{worker_id}")
-        self._buffer = ReportBuffer(worker_id, "decode", location)
+        self.limits = limits
+        self._report_fn = report
+        self._start_prefill = start_prefill
+        self.control_interval_s = control_interval_s
+        self.sched = WorkerScheduler.with_limits(info, policy, costs, limits)
+        self._thread = EngineThread(f"decode-{info.worker_id}")
         self._reqs: dict[str, _Req] = {}
-        # Token queues by request id; retired ones (request gone) wait for their reader.
-        self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
-        self._retired: dict[str, float] = {}
-        # Reservations whose transfer is ending: their slots are freed once it has ended.
-        self._draining: set[str] = set()
+        self._draining: set[str] = set()  # reservations whose transfer is ending
+        self._tombstones: dict[str, float] = {}
+        # Token batches per router: subscribers' queues, and deltas not yet delivered.
+        self._subs: dict[str, asyncio.Queue[bytes]] = {}
+        self._outbox: dict[str, list[TokenDelta]] = {}
+        self._unsubscribed_since: dict[str, float] = {}
+        # Report contents gathered since the last report.
+        self._events: list[ReqEvent] = []
+        self._block_events: list[BlockEvent] = []
+        self._transfers: list[TransferStat] = []
+        self._report_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._step_s = 0.05
-        self._num_free = engine.num_free_blocks
-        self._info = location.to_worker_info(worker_id, WorkerRole.DECODE,
-                                             engine.num_total_blocks)
+        self.num_steps = 0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -107,83 +140,281 @@ class DecodeWorker:
 
     # -- control calls -------------------------------------------------------------------
 
-    async def reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
-        spec = GenerationSpec.from_dict(msg["spec"])
+    async def dispatch(self, msg: Dispatch) -> DispatchAnswer:
+        spec = msg.spec
         rid = spec.req_id
+        if rid in self._reqs or rid in self._tombstones:
+            return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="known id")
         prompt = list(spec.prompt_token_ids)
+        kreq = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
+                       state=RequestState.PREFILLING)
+        if msg.prefill_worker_id is None:
+            return await self._dispatch_local(spec, kreq)
         blocks = await self._thread.call(self.engine.reserve, rid, len(prompt),
                                          prompt_token_ids=prompt)
         if blocks is None:
-            return {"ok": False, "num_free_blocks": self.engine.num_free_blocks}
+            return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="no room")
         num_cached = await self._thread.call(self.engine.num_reserved_cached_blocks, rid)
         ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
-        self._reqs[rid] = _Req(spec, asyncio.Queue(), list(blocks), num_blocks=len(blocks))
-        self._streams[rid] = self._reqs[rid].stream
-        self._num_free = self.engine.num_free_blocks
+        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks))
+        self._unsubscribed_since.setdefault(spec.router_id, time.monotonic())
+        try:
+            refusal = await self._start_prefill(msg.prefill_worker_id,
+                                                StartPrefill(spec, self.worker_id, ticket))
+        except Exception as e:  # the prefill worker is gone: give the blocks back
+            log.warning("start of %s on %s failed: %s", rid, msg.prefill_worker_id, e)
+            refusal, fatal = "prefill worker unreachable", False
+        else:
+            fatal = refusal is not None
+        if refusal is not None:
+            self._reqs.pop(rid, None)
+            await self._end_transfer(rid)
+            return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason=refusal,
+                                  fatal=fatal)
         self._wake.set()
-        return {"ok": True, "ticket": ticket, "num_cached_blocks": num_cached,
-                "num_free_blocks": self._num_free}
+        return DispatchAnswer(rid, True, self.engine.num_free_blocks, num_cached)
 
-    async def prefilled(self, msg: dict[str, Any]) -> None:
-        r = self._reqs.get(str(msg["req_id"]))
-        if r is None:
-            return
-        r.first_token = int(msg["first_token"])
-        r.early_finish = msg.get("finish")
-        if r.early_finish is None:
-            # The first token does not depend on the transfer: send it now (TTFT).
-            r.stream.put_nowait({"t": [r.first_token], "f": None, "e": None})
+    async def _dispatch_local(self, spec: GenerationSpec, kreq: Request) -> DispatchAnswer:
+        rid = spec.req_id
+
+        def add() -> tuple[str | None, int, int]:
+            try:
+                self.engine.add_request(rid, list(spec.prompt_token_ids), sampling_params(spec))
+            except ValueError as e:  # the request can never run here
+                return f"invalid: {e}", 0, 0
+            if not self.engine.admit(rid):
+                self.engine.abort(rid)
+                return "no room", 0, 0
+            return None, self.engine.num_computed_tokens(rid), len(self.engine.block_ids(rid))
+
+        refusal, cached, nblocks = await self._thread.call(add)
+        if refusal is not None:
+            return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason=refusal,
+                                  fatal=refusal.startswith("invalid"))
+        self._reqs[rid] = _Req(spec, Stage.PREFILLING, kreq)
+        lr = self.sched.add_prefill(kreq, len(spec.prompt_token_ids) - cached, time.time(),
+                                    num_computed=cached)
+        lr.num_blocks = nblocks
+        self._wake.set()
+        return DispatchAnswer(rid, True, self.engine.num_free_blocks,
+                              cached // self.limits.block_size)
+
+    async def prefilled(self, batch: PrefilledBatch) -> None:
+        for item in batch.items:
+            r = self._reqs.get(item.req_id)
+            if r is None or r.stage is not Stage.RECEIVING:
+                continue
+            r.first_token = item.first_token
+            r.first_token_time = item.time or time.time()
+            r.early_finish = item.finish
+            if item.finish is None:
+                # The first token does not depend on the transfer: send it now (TTFT).
+                self._emit(r, (item.first_token,))
+        self._flush()
         self._wake.set()
 
-    async def stream(self, req_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Token deltas ``{"t": [ids], "f": finish | None, "e": error | None}`` until the end.
-
-        The queue outlives the request: a request may finish before the router opens its
-        stream, and its tokens wait here until read (or until the retention time ends).
-        """
-        q = self._streams.get(req_id)
-        if q is None:
-            yield {"t": [], "f": None, "e": "unknown_request"}
-            return
-        ended = False
+    async def subscribe(self, router_id: str) -> AsyncIterator[bytes]:
+        """One router's token stream: a ``TokenBatch`` per step that had tokens for it."""
+        q: asyncio.Queue[bytes] = asyncio.Queue()
+        old = self._subs.get(router_id)
+        self._subs[router_id] = q
+        self._unsubscribed_since.pop(router_id, None)
+        if old is not None:
+            old.put_nowait(b"")  # a re-subscription replaces the old stream: end it
+        self._flush()
         try:
             while True:
                 item = await q.get()
-                yield item
-                if item["f"] is not None or item["e"] is not None:
-                    ended = True
+                if not item:
                     return
+                yield item
         finally:
-            self._streams.pop(req_id, None)
-            self._retired.pop(req_id, None)
-            if not ended and req_id in self._reqs:
-                self._reader_gone(req_id)
-
-    def _reader_gone(self, req_id: str) -> None:
-        """The reader left mid-request (its client hung up). The router's abort may never
-        come (Ray Serve cancels it with the request), so free the blocks here and tell the
-        global scheduler, which ends the request everywhere else."""
-        log.info("reader of %s left before the end: aborting it", req_id)
-        self._buffer.add(req_id, WorkerEvent.ABORTED, reason="reader_gone")
-        asyncio.get_running_loop().create_task(self.abort(req_id))
+            if self._subs.get(router_id) is q:
+                del self._subs[router_id]
+                self._unsubscribed_since[router_id] = time.monotonic()
 
     async def abort(self, req_id: str, error: str | None = None) -> None:
-        """Drop the request; ``error`` set: the stream ends with it (the router retries),
-        unset: the router asked (its client left), nobody reads the stream any more."""
+        """Drop the request; ``error`` set: its router hears it (and may retry)."""
+        self._tombstones[req_id] = time.monotonic()
+        r = self._reqs.pop(req_id, None)
+        if r is None:
+            return
+        self.sched.remove(req_id)
+        if r.stage is Stage.RECEIVING:
+            await self._end_transfer(req_id)
+        else:
+            await self._thread.call(self.engine.abort, req_id)
+        if error is not None:
+            self._emit(r, (), error=error)
+            self._flush()
+
+    async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
+        """Swap out or recompute ``req_id`` for ``for_req_id`` (None: this worker's own KV
+        pressure)."""
         r = self._reqs.get(req_id)
-        if r is not None:
-            self._retire(req_id)
-            if r.is_joined:
-                await self._thread.call(self.engine.abort, req_id)
-            else:
-                await self._end_transfer(req_id)
-        q = self._streams.get(req_id)
-        if q is not None:
-            # A reader still waiting (if any) ends on this item.
-            q.put_nowait({"t": [], "f": None, "e": error or "aborted"})
-            if error is None:
-                self._streams.pop(req_id, None)
-                self._retired.pop(req_id, None)
+        if r is None or r.stage is not Stage.DECODING:
+            return False
+        if mode == PreemptMode.SWAP.value:
+            ok = await self._thread.call(self.engine.swap_out, req_id)
+            if ok:
+                r.stage = Stage.SWAPPED
+                self.sched.swap_out(req_id)
+                self._event(req_id, WorkerEvent.PREEMPTED_SWAP, for_req_id=for_req_id)
+        else:
+            ok = await self._thread.call(self.engine.preempt_recompute, req_id)
+            if ok:
+                r.stage = Stage.PREFILLING
+                self.sched.recompute(req_id, time.time())
+                self._event(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
+        r.kreq.last_preempt_time = time.time()
+        self._wake.set()
+        return bool(ok)
+
+    def status(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
+                "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._reqs),
+                "num_steps": self.num_steps}
+
+    # -- tokens to routers ---------------------------------------------------------------
+
+    def _emit(self, r: _Req, tokens: tuple[int, ...], finish: str | None = None,
+              error: str | None = None) -> None:
+        r.num_streamed += len(tokens)
+        self._outbox.setdefault(r.router_id, []).append(
+            TokenDelta(r.spec.req_id, tokens, finish, error))
+
+    def _flush(self) -> None:
+        for router_id in list(self._outbox):
+            q = self._subs.get(router_id)
+            if q is None:
+                continue  # not subscribed (yet): kept until it is
+            deltas = self._outbox.pop(router_id)
+            if deltas:
+                q.put_nowait(encode(TokenBatch(self.worker_id, tuple(deltas))))
+
+    # -- loops ---------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            waiting = self._draining or any(r.stage is Stage.RECEIVING for r in self._reqs.values())
+            if not self.sched.has_work():
+                await wait_event(self._wake, 0.005 if waiting else 0.25)
+            self._wake.clear()
+            try:
+                await self._free_drained()
+                await self._join_transfers()
+                if self.sched.has_work():
+                    await self._step()
+                self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep serving the other requests
+                log.exception("decode worker %s: step failed", self.worker_id)
+                await asyncio.sleep(0.05)
+
+    async def _step(self) -> None:
+        now = time.time()
+        plan = self.sched.plan(now, self.engine.num_free_blocks)
+        if plan.is_empty:
+            await wait_event(self._wake, 0.01)
+            return
+        for v in plan.preempt:
+            await self.preempt(v.req_id, v.mode.value if v.mode is PreemptMode.SWAP
+                               else PreemptMode.RECOMPUTE.value, None)
+        for rid in plan.swap_in:
+            await self._swap_in(rid)
+        decodes = [rid for rid in plan.decodes if rid in self._reqs]
+        t0 = time.perf_counter()
+        outs, refused, blocks, computed, events = await self._thread.call(
+            self._run, decodes, list(plan.chunks))
+        seconds = time.perf_counter() - t0
+        self._block_events.extend(events)
+        done = set(self.sched.commit(plan, now, seconds=seconds, refused=refused, blocks=blocks,
+                                     computed=computed))
+        self.num_steps += 1
+        self._postprocess(plan, outs, done)
+        if self._events:
+            self._report_soon()
+
+    def _run(self, decodes: list[str], chunks: list[tuple[str, int]]
+             ) -> tuple[list[Any], list[str], dict[str, int], dict[str, int], list[BlockEvent]]:
+        """On the engine thread: the step, then the block counts the planner tracks."""
+        outs, refused = self.engine.run_plan(decodes, chunks)
+        blocks: dict[str, int] = {}
+        computed: dict[str, int] = {}
+        for rid in [*decodes, *(c for c, _ in chunks)]:
+            if self.engine.request_state(rid) is not None:
+                blocks[rid] = len(self.engine.block_ids(rid))
+                computed[rid] = self.engine.num_computed_tokens(rid)
+        return outs, refused, blocks, computed, block_events(self.engine.drain_events())
+
+    def _postprocess(self, plan: StepPlan, outs: list[Any], done: set[str]) -> None:
+        now = time.time()
+        for out in outs:
+            r = self._reqs.get(out.req_id)
+            if r is None:
+                continue
+            if out.req_id in done and r.stage is Stage.PREFILLING:
+                fresh = r.num_streamed == 0
+                r.stage = Stage.DECODING
+                if fresh:
+                    r.kreq.first_token_time = r.kreq.first_token_time or now
+                    self._event(out.req_id, WorkerEvent.PREFILL_DONE)
+                else:
+                    self._event(out.req_id, WorkerEvent.RESUMED_RECOMPUTE)
+            finish = out.finish_reason.value if out.finished and out.finish_reason else None
+            if out.finished and finish is None:
+                finish = "stop"
+            if out.new_token_ids or finish:
+                self._emit(r, tuple(out.new_token_ids), finish)
+            if out.finished:
+                self._reqs.pop(out.req_id, None)
+                self.sched.remove(out.req_id)
+                self._event(out.req_id, WorkerEvent.FINISHED_LENGTH if finish == "length"
+                            else WorkerEvent.FINISHED_STOP)
+
+    async def _swap_in(self, rid: str) -> None:
+        r = self._reqs.get(rid)
+        if r is None or r.stage is not Stage.SWAPPED:
+            return
+        if await self._thread.call(self.engine.swap_in, rid):
+            n = len(await self._thread.call(self.engine.block_ids, rid))
+            r.stage = Stage.DECODING
+            self.sched.swapped_in(rid, n)
+            self._event(rid, WorkerEvent.RESUMED_SWAP)
+
+    async def _join_transfers(self) -> None:
+        for rid, r in list(self._reqs.items()):
+            if r.stage is not Stage.RECEIVING:
+                continue
+            st = self.consumer.poll(rid)
+            state = None if st is None else st.state.value
+            if r.first_token is not None and r.early_finish is not None:
+                # The first token was the last: no decode, the reserved slots go back.
+                self._reqs.pop(rid, None)
+                await self._end_transfer(rid)
+                self._emit(r, (r.first_token,), r.early_finish)
+                self._event(rid, WorkerEvent.FINISHED_LENGTH if r.early_finish == "length"
+                            else WorkerEvent.FINISHED_STOP)
+                continue
+            if state in ("failed", "aborted"):
+                log.warning("transfer of %s %s: %s", rid, state, "" if st is None else st.detail)
+                await self.abort(rid, error="transfer_failed")
+                self._event(rid, WorkerEvent.TRANSFER_FAILED)
+                continue
+            if r.first_token is None or state != "done":
+                continue
+            self.consumer.forget(rid)
+            prompt = list(r.spec.prompt_token_ids)
+            await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
+                                    r.first_token, sampling_params(r.spec), list(r.block_ids))
+            r.stage = Stage.DECODING
+            r.kreq.state = RequestState.DECODING
+            r.kreq.first_token_time = r.first_token_time
+            r.kreq.num_output_tokens = 1
+            self.sched.add_decode(r.kreq, len(prompt), len(r.block_ids))
+            self._event(rid, WorkerEvent.DECODE_START)
+        self._flush()
 
     async def _end_transfer(self, req_id: str) -> None:
         """End the transfer into ``req_id``'s reserved slots and free them once nothing can
@@ -209,285 +440,63 @@ class DecodeWorker:
                     self.consumer.forget(rid)
                 await self._thread.call(self.engine.abort, rid)
 
-    def _retire(self, req_id: str) -> None:
-        """The request left the engine; its stream stays until read or expired."""
-        if self._reqs.pop(req_id, None) is not None and req_id in self._streams:
-            self._retired[req_id] = time.monotonic()
+    # -- reports -------------------------------------------------------------------------
 
-    def _expire_streams(self) -> None:
-        limit = time.monotonic() - self.cfg.router.request_timeout_s
-        for rid in [rid for rid, t in self._retired.items() if t < limit]:
-            self._retired.pop(rid, None)
-            self._streams.pop(rid, None)
+    def _event(self, req_id: str, kind: WorkerEvent, *, for_req_id: str | None = None,
+               reason: str = "") -> None:
+        self._events.append(ReqEvent(req_id, kind, time.time(), for_req_id, reason))
 
-    async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
-        """Swap out or recompute ``req_id``; ``for_req_id``: the request it makes room for
-        (None: this worker's own KV pressure)."""
-        r = self._reqs.get(req_id)
-        if r is None or not r.is_joined or r.is_swapped or r.is_recomputing:
-            return False
-        if mode == "swap":
-            ok = await self._thread.call(self.engine.swap_out, req_id)
-            if ok:
-                r.is_swapped, r.last_preempt_time = True, time.time()
-                self._buffer.add(req_id, WorkerEvent.PREEMPTED_SWAP, for_req_id=for_req_id)
-        else:
-            ok = await self._thread.call(self.engine.preempt_recompute, req_id)
-            if ok:
-                r.is_recomputing, r.last_preempt_time = True, time.time()
-                self._buffer.add(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
-        self._num_free = self.engine.num_free_blocks
-        self._wake.set()
-        return bool(ok)
+    def _report_soon(self) -> None:
+        if self._report_task is None or self._report_task.done():
+            self._report_task = asyncio.get_running_loop().create_task(self._send_report())
 
-    def status(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
-                "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._reqs)}
+    def _take_report(self) -> WorkerReport:
+        running = tuple(RunningReq(rid, len(r.block_ids) if r.stage is Stage.RECEIVING else
+                                   self.sched.local[rid].num_blocks if rid in self.sched.local
+                                   else 0, r.kreq.num_output_tokens,
+                                   self.sched.local[rid].num_prefill_left
+                                   if rid in self.sched.local else 0)
+                        for rid, r in self._reqs.items())
+        rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
+                           self.engine.num_total_blocks, tuple(self._events),
+                           tuple(self._block_events), tuple(self._transfers), running,
+                           self.sched.costs.to_tuple(), self.num_steps)
+        self._events, self._block_events, self._transfers = [], [], []
+        return rep
 
-    # -- loops ---------------------------------------------------------------------------
-
-    async def _step_loop(self) -> None:
-        while True:
-            busy = any(r.is_joined for r in self._reqs.values())
-            waiting = self._draining or any(not r.is_joined for r in self._reqs.values())
-            if not busy:
-                await wait_event(self._wake, 0.01 if waiting else 0.5)
-            self._wake.clear()
-            try:
-                await self._free_drained()
-                await self._join_transfers()
-                await self._swap_in()
-                await self._relieve_pressure()
-                if busy or self.engine.has_unfinished():
-                    await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep serving the other requests
-                log.exception("decode worker %s: step failed", self.worker_id)
-                await asyncio.sleep(0.05)
-
-    async def _join_transfers(self) -> None:
-        for rid, r in list(self._reqs.items()):
-            if r.is_joined:
-                continue
-            st = self.consumer.poll(rid)
-            state = None if st is None else st.state.value
-            if r.first_token is not None and r.early_finish is not None:
-                # The first token was the last: no decode, the reserved slots go back.
-                self._retire(rid)
-                await self._end_transfer(rid)
-                r.stream.put_nowait({"t": [r.first_token], "f": r.early_finish, "e": None})
-                continue
-            if state in ("failed", "aborted"):
-                detail = "" if st is None else st.detail
-                log.warning("transfer of %s %s: %s", rid, state, detail)
-                await self.abort(rid, error="transfer_failed")
-                self._buffer.add(rid, WorkerEvent.TRANSFER_FAILED)
-                continue
-            if r.first_token is None:
-                continue
-            if state != "done":
-                continue
-            self.consumer.forget(rid)
-            prompt = list(r.spec.prompt_token_ids)
-            await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
-                                    r.first_token, sampling_params(r.spec), r.block_ids)
-            r.is_joined = True
-            r.num_output_tokens = 1
-            r.num_blocks = len(r.block_ids)
-            self._buffer.add(rid, WorkerEvent.DECODE_START)
-
-    async def _swap_in(self) -> None:
-        swapped = [(rid, r) for rid, r in self._reqs.items() if r.is_swapped]
-        if not swapped:
-            return
-        now = time.time()
-        views = {rid: r.kernel_view(RequestState.PREEMPTED) for rid, r in swapped}
-        for req in self.policy.order(list(views.values()), now):
-            if not await self._thread.call(self.engine.swap_in, req.req_id):
-                break
-            self._reqs[req.req_id].is_swapped = False
-            self._buffer.add(req.req_id, WorkerEvent.RESUMED_SWAP)
-
-    async def _relieve_pressure(self) -> None:
-        """Free blocks for this step's decode growth by tier (the policy), not by age.
-
-        A running request whose context fills its last block needs one more block
-        this step; when the pool cannot give them all, the policy picks victims
-        (lowest value first, swap or recompute by restore cost) before the engine
-        would recompute its newest request whatever its tier.
-        """
-        bs = self.cfg.pools.block_size
-        running = [r for r in self._reqs.values()
-                   if r.is_joined and not r.is_swapped and not r.is_recomputing]
-        growing = [r for r in running
-                   if -(-(len(r.spec.prompt_token_ids) + r.num_output_tokens) // bs)
-                   > r.num_blocks]
-        need = len(growing) - self._num_free
-        if need <= 0 or len(running) <= 1:
-            return
-        views = [VictimView(r.kernel_view(RequestState.DECODING), self._info, r.num_blocks)
-                 for r in running]
-        top = min(r.spec.tier for r in growing)
-        plan = self.policy.on_kv_pressure(need, views, time.time(), top)
-        for v in plan.victims:
-            mode = "swap" if v.mode is PreemptMode.SWAP else "recompute"
-            await self.preempt(v.req_id, mode, for_req_id=None)
-
-    async def _step(self) -> None:
-        t0 = time.perf_counter()
-        watched = [rid for rid, r in self._reqs.items()
-                   if r.is_joined and not r.is_swapped and not r.is_recomputing]
-        outs, states, sizes, block_events = await self._thread.call(self._step_and_scan, watched)
-        self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - t0)
-        self._buffer.add_block_events(block_events)
-        self._num_free = self.engine.num_free_blocks
-        for rid, n in sizes.items():
-            r = self._reqs.get(rid)
-            if r is not None:
-                r.num_blocks = n
-        for rid, state in states.items():
-            r = self._reqs.get(rid)
-            if r is not None and state == "waiting" and not r.is_recomputing:
-                # The engine recomputes the newest request when a decode finds no block.
-                r.is_recomputing = True
-                self._buffer.add(rid, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=None)
-        for out in outs:
-            r = self._reqs.get(out.req_id)
-            if r is None:
-                continue
-            if out.new_token_ids and r.is_recomputing:
-                r.is_recomputing = False
-                self._buffer.add(out.req_id, WorkerEvent.RESUMED_RECOMPUTE)
-            finish = out.finish_reason.value if out.finished and out.finish_reason else None
-            if out.finished and finish is None:
-                finish = "stop"
-            r.num_output_tokens += len(out.new_token_ids)
-            if out.new_token_ids or finish:
-                r.stream.put_nowait({"t": list(out.new_token_ids), "f": finish, "e": None})
-            if out.finished:
-                self._retire(out.req_id)
-                kind = (WorkerEvent.FINISHED_LENGTH if finish == "length"
-                        else WorkerEvent.FINISHED_STOP)
-                self._buffer.add(out.req_id, kind)
-
-    def _step_and_scan(
-        self, watched: list[str]
-    ) -> tuple[list[Any], dict[str, str], dict[str, int], list[Any]]:
-        """On the engine thread: one step, then the watched requests' states and sizes."""
-        outs = self.engine.step()
-        states: dict[str, str] = {}
-        sizes: dict[str, int] = {}
-        for rid in watched:
-            state = self.engine.request_state(rid)
-            if state is None:
-                continue
-            states[rid] = state.value
-            sizes[rid] = len(self.engine.block_ids(rid))
-        return outs, states, sizes, self.engine.drain_events()
+    async def _send_report(self) -> None:
+        for s in self.consumer.drain_stats():
+            if s.state.value == "done":
+                self._transfers.append(TransferStat(s.req_id, s.num_bytes, s.duration_s,
+                                                    s.end_time, s.topology.value))
+        try:
+            await self._report_fn(self._take_report())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the scheduler may be restarting: report next time
+            log.exception("decode worker %s: report failed", self.worker_id)
 
     async def _report_loop(self) -> None:
-        interval = self.cfg.scheduling.control_interval_s
         while True:
-            await asyncio.sleep(interval)
-            try:
-                self._expire_streams()
-                events = await self._thread.call(self.engine.drain_events)
-                self._buffer.add_block_events(events)
-                for s in self.consumer.drain_stats():
-                    if s.state.value == "done":
-                        self._buffer.transfers.append({
-                            "req_id": s.req_id, "num_bytes": s.num_bytes,
-                            "duration_s": s.duration_s, "end_time": s.end_time,
-                            "topology": s.topology.value})
-                running = [[rid, r.num_blocks] for rid, r in self._reqs.items()
-                           if r.is_joined and not r.is_swapped and not r.is_recomputing]
-                rep = self._buffer.take(
-                    num_free_blocks=self.engine.num_free_blocks,
-                    num_total_blocks=self.engine.num_total_blocks,
-                    backlog_tokens=0, running=running, decode_step_s=self._step_s)
-                await self._report(rep)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the scheduler may be restarting: report next time
-                log.exception("decode worker %s: report failed", self.worker_id)
+            await asyncio.sleep(self.control_interval_s)
+            self._expire()
+            if self._report_task is not None and not self._report_task.done():
+                continue
+            self._block_events.extend(block_events(
+                await self._thread.call(self.engine.drain_events)))
+            self._report_soon()
 
-
-def _make_actor_class() -> Any:
-    import ray
-
-    @ray.remote
-    class DecodeWorkerActor:
-        """Thin Ray wrapper: msgpack bytes in and out, streaming tokens as a generator."""
-
-        def __init__(self, worker_id: str, index: int, cfg: dict[str, Any],
-                     scheduler_name: str, namespace: str) -> None:
-            self._worker_id = worker_id
-            self._index = index
-            self._cfg = ClusterConfig.from_dict(cfg)
-            self._scheduler_name = scheduler_name
-            self._namespace = namespace
-            self._worker: DecodeWorker | None = None
-
-        async def setup(self) -> bytes:
-            from cluster.worker_setup import make_decode_worker
-
-            self._worker = await make_decode_worker(
-                self._worker_id, self._index, self._cfg, self._scheduler_name, self._namespace)
-            return pack(self._worker_info())
-
-        def _worker_info(self) -> dict[str, Any]:
-            w = self._worker
-            assert w is not None
-            return {"worker_id": self._worker_id, "role": "decode",
-                    "location": w.location.to_dict(),
-                    "num_total_blocks": w.engine.num_total_blocks,
-                    "num_free_blocks": w.engine.num_free_blocks,
-                    "bytes_per_block": bytes_per_block(w.engine),
-                    "max_model_len": int(w.engine.max_model_len),
-                    "ray_node_id": ray.get_runtime_context().get_node_id()}
-
-        async def reserve(self, msg: bytes) -> bytes:
-            assert self._worker is not None
-            return pack(await self._worker.reserve(unpack(msg)))
-
-        async def prefilled(self, msg: bytes) -> None:
-            assert self._worker is not None
-            await self._worker.prefilled(unpack(msg))
-
-        async def stream(self, req_id: str) -> AsyncIterator[bytes]:
-            assert self._worker is not None
-            inner = self._worker.stream(req_id)
-            try:
-                async for item in inner:
-                    yield pack(item)
-            finally:
-                await inner.aclose()  # now, not at GC: a reader gone aborts the request
-
-        async def abort(self, req_id: str, error: str | None = None) -> None:
-            assert self._worker is not None
-            await self._worker.abort(req_id, error)
-
-        async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
-            assert self._worker is not None
-            return await self._worker.preempt(req_id, mode, for_req_id)
-
-        async def status(self) -> bytes:
-            assert self._worker is not None
-            return pack(self._worker.status())
-
-        async def ping(self) -> bool:
-            return True
-
-    return DecodeWorkerActor
-
-
-_ACTOR: Any = None
-
-
-def decode_worker_actor() -> Any:
-    """The Ray actor class (built on first use, so importing this module needs no Ray)."""
-    global _ACTOR
-    if _ACTOR is None:
-        _ACTOR = _make_actor_class()
-    return _ACTOR
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self._tombstones.items() if now - t > TOMBSTONE_S]:
+            del self._tombstones[rid]
+        for router_id, since in list(self._unsubscribed_since.items()):
+            if now - since < ROUTER_GRACE_S:
+                continue
+            del self._unsubscribed_since[router_id]
+            self._outbox.pop(router_id, None)
+            for rid, r in list(self._reqs.items()):
+                if r.router_id == router_id:
+                    log.info("router %s is gone: aborting %s", router_id, rid)
+                    self._event(rid, WorkerEvent.ABORTED, reason="reader_gone")
+                    asyncio.get_running_loop().create_task(self.abort(rid))

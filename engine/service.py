@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.sampling import SamplingParams
-from scheduler.messages import GenerationSpec
+from scheduler.messages import BlockEvent, GenerationSpec
 
 T = TypeVar("T")
 
@@ -62,3 +62,13 @@ def bytes_per_block(engine: Any) -> int:
     lay = engine.pool.kv_layout()
     elem = lay.dtype.itemsize if hasattr(lay.dtype, "itemsize") else 4
     return int(lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim * elem)
+
+
+def block_events(events: list[Any]) -> list[BlockEvent]:
+    """The engine pool's block events as wire messages (what the prefix mirror reads)."""
+    out = []
+    for e in events:
+        d = e.to_dict()
+        out.append(BlockEvent(d.get("type") == "stored", tuple(d["block_hashes"]),
+                              d.get("parent_hash")))
+    return out

@@ -8,9 +8,8 @@ Public API::
         # /metrics, /v1/requests/{id}/why; OpenAI error bodies for every refusal
     from router.backend import Backend, GenerationSpec, SamplingSpec, TokenDelta, BackendError
     from router.tenants import TenantDirectory, TenantEntry, TIER_HEADER
-    from router.deployment import router_deployment   # the Serve deployment (Ray)
     from router.metrics import MetricsRecorder         # Prometheus metrics (ops)
 
-The app never imports Ray; ``router/deployment.py`` builds it on a Serve replica around
-``cluster.backend.ClusterBackend``.
+The app never imports Ray; ``cluster/router_deployment.py`` builds it on a Serve replica
+around ``cluster.backend.ClusterBackend``.
 """

@@ -10,7 +10,7 @@ Every refusal is an :class:`~router.protocol.ApiError` rendered as an OpenAI err
 body. Backend failures map to 429/503/504/500. A client that goes away (the task is
 cancelled) or a stop string ends the stream and aborts the request in the backend,
 which frees its blocks. Nothing here knows about Ray: the Serve deployment in
-``router/deployment.py`` wraps this app around the cluster backend.
+``cluster/router_deployment.py`` wraps this app around the cluster backend.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Data flow: ``router/app.py`` turns an HTTP request into a :class:`GenerationSpec
 calls ``backend.generate(spec)`` and turns the :class:`TokenDelta` stream into JSON or
 server-sent events. The Ray Serve deployment plugs in the cluster backend
 (``cluster/backend.py``); unit tests plug in a fake. Specs cross process boundaries as
-msgpack-ready dicts (``to_dict``/``from_dict``), never pickles.
+typed ``scheduler.messages`` messages (msgpack), never pickles.
 """
 
 from __future__ import annotations
@@ -14,60 +14,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# The request as the cluster runs it crosses processes, so it lives with the other wire
+# messages a floor below; the HTTP layer builds it.
+from scheduler.messages import GenerationSpec, SamplingSpec
 
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationSpec:
-    req_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
-    tier: int
-    tenant: str
-    arrival_time: float
-    # Token ids that end generation besides the model's EOS (stop strings are the router's).
-    stop_token_ids: tuple[int, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "req_id": self.req_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "max_tokens": self.sampling.max_tokens,
-            "temperature": self.sampling.temperature,
-            "top_p": self.sampling.top_p,
-            "seed": self.sampling.seed,
-            "tier": self.tier,
-            "tenant": self.tenant,
-            "arrival_time": self.arrival_time,
-            "stop_token_ids": list(self.stop_token_ids),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerationSpec:
-        return cls(
-            req_id=str(d["req_id"]),
-            prompt_token_ids=tuple(int(t) for t in d["prompt_token_ids"]),
-            sampling=SamplingSpec(
-                max_tokens=int(d["max_tokens"]),
-                temperature=float(d["temperature"]),
-                top_p=float(d["top_p"]),
-                seed=None if d.get("seed") is None else int(d["seed"]),
-            ),
-            tier=int(d["tier"]),
-            tenant=str(d["tenant"]),
-            arrival_time=float(d["arrival_time"]),
-            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
-        )
+__all__ = ["Backend", "BackendError", "BackendErrorKind", "FinishReason", "GenerationSpec",
+           "SamplingSpec", "TokenDelta", "Tokenizer"]
 
 
 class FinishReason(enum.Enum):

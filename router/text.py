@@ -1,9 +1,11 @@
 """Output token ids -> text deltas, with stop strings cut out (OpenAI ``stop``).
 
-Each :meth:`TextAssembler.push` decodes the whole output so far (byte-level tokenizers
-only produce valid UTF-8 across token boundaries) and returns the new text that is
-safe to send: not the tail of an incomplete character, not the start of a stop string
-that the next token may complete.
+Detokenization is incremental, as vLLM's: each :meth:`TextAssembler.push` decodes only a
+short window of the newest tokens (from ``prefix`` to the end, against ``prefix`` to
+``read``), so a token costs the same whatever the output's length. Text is committed
+only once the window decodes to complete characters (byte-level tokenizers may split a
+character across tokens). A stop string is searched only where it could have appeared,
+and text that might begin a stop string the next token completes is held back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ class TextAssembler:
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
         self._tokenizer = tokenizer
         self._stops = [s for s in stops if s]
+        self._max_stop = max((len(s) for s in self._stops), default=0)
         self._ids: list[int] = []
+        self._prefix = 0  # window start: tokens before it are never decoded again
+        self._read = 0  # tokens whose text is committed
+        self._committed = ""  # text of the tokens before ``_read``
+        self._searched = 0  # committed characters already scanned for stop strings
         self._num_emitted = 0  # characters already sent
         self.text = ""
         self.is_stopped = False
@@ -33,7 +40,8 @@ class TextAssembler:
         if self.is_stopped:
             return ""
         self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids)
+        self._advance(final)
+        text = self._committed
         cut = self._first_stop(text)
         if cut is not None:
             text = text[:cut]
@@ -43,15 +51,31 @@ class TextAssembler:
             safe_end = len(text)
         else:
             safe_end = len(text) - self._holdback(text)
-            while safe_end > self._num_emitted and text[safe_end - 1] == _INCOMPLETE:
-                safe_end -= 1
+        self._searched = max(self._searched, len(self._committed) - self._max_stop + 1, 0)
         self.text = text[:safe_end] if not (final or self.is_stopped) else text
-        delta = text[self._num_emitted : max(safe_end, self._num_emitted)]
+        delta = text[self._num_emitted: max(safe_end, self._num_emitted)]
         self._num_emitted = max(safe_end, self._num_emitted)
         return delta
 
+    def _advance(self, final: bool) -> None:
+        if self._read >= len(self._ids):
+            return
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        window = decode(self._ids[self._prefix:])
+        if not final and window.endswith(_INCOMPLETE):
+            return  # a character split across tokens: wait for its last byte
+        if len(window) > len(before) and window.startswith(before):
+            self._committed += window[len(before):]
+        elif window != before:
+            # The window re-tokenized differently (rare): take the full decode once.
+            self._committed = decode(self._ids)
+        self._prefix = self._read
+        self._read = len(self._ids)
+
     def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        start = self._searched
+        hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
         return min(hits) if hits else None
 
     def _holdback(self, text: str) -> int:

@@ -447,7 +447,9 @@ class ClusterScheduler:
 
     def on_dispatch_result(self, req_id: str, ok: bool, now: float, *,
                            num_free_blocks: int | None = None, num_cached_blocks: int = 0,
-                           reason: str = "") -> None:
+                           reason: str = "", fatal: bool = False) -> None:
+        """The decode worker's answer; ``fatal``: the request can never run (ended with
+        ``reason``), else a refusal puts it back in the queue."""
         e = self.live.get(req_id)
         if e is None or not e.is_dispatching:
             return
@@ -465,6 +467,11 @@ class ClusterScheduler:
             self._move(req_id, S.PREFILLING, D.SCHEDULE_PREFILL, now,
                        f"placement:{req.prefill_worker_id}->{req.decode_worker_id}",
                        mem=mem, kv_reuse_hit=num_cached_blocks)
+            return
+        if fatal:
+            e.is_dispatching = False
+            req.prefill_worker_id = req.decode_worker_id = None
+            self._end(req_id, now, D.ERROR, f"dispatch:{reason}", error=reason or "refused")
             return
         # Refused (a stale view of its free blocks, or the worker is going away): requeue.
         for w in self.workers.values():

@@ -256,6 +256,8 @@ class DispatchAnswer:
     num_free_blocks: int
     num_cached_blocks: int = 0
     reason: str = ""
+    # The request can never run (a bad prompt): end it with ``reason``, do not requeue.
+    fatal: bool = False
 
 
 @message("start")

@@ -27,16 +27,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from scheduler.preemption import PreemptMode, Victim, VictimView
+from scheduler.preemption import PreemptionPlan, PreemptMode, Victim, VictimView
 from scheduler.queues import Verdict, WaitQueue
 from scheduler.request import Request, RequestState
 from scheduler.step_costs import StepCosts, StepShape
 from scheduler.topology import WorkerInfo
 
-if TYPE_CHECKING:
-    from scheduler.policy import SchedulingPolicy
+
+class SchedulingPolicy(Protocol):
+    """What a step reads of a policy (``scheduler.policy.SchedulingPolicy`` fits)."""
+
+    def order(self, reqs: Sequence[Request], now: float) -> list[Request]: ...
+
+    def make_queue(self) -> WaitQueue: ...
+
+    def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView], now: float,
+                       requester_tier: int) -> PreemptionPlan: ...
+
+    def compose_step(self, view: StepView) -> StepPlan: ...
 
 # A step that has prefills waiting gives the most urgent one at least this many tokens,
 # even when the decodes alone fill the time budget: TTFT always progresses.
@@ -272,8 +282,26 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
                     view.costs.step_s(shape) if chunks or batch else 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerLimits:
+    """A worker's engine limits, as the step planner honours them."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunk_tokens: int
+
+
 class WorkerScheduler:
     """The step-level kernel of one worker (see the module docstring)."""
+
+    @classmethod
+    def with_limits(cls, worker: WorkerInfo, policy: SchedulingPolicy, costs: StepCosts,
+                    limits: WorkerLimits) -> WorkerScheduler:
+        return cls(worker, policy, costs, block_size=limits.block_size,
+                   max_num_seqs=limits.max_num_seqs,
+                   max_num_batched_tokens=limits.max_num_batched_tokens,
+                   chunk_tokens=limits.chunk_tokens)
 
     def __init__(self, worker: WorkerInfo, policy: SchedulingPolicy, costs: StepCosts, *,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -421,5 +449,6 @@ def is_started(req: Request) -> bool:
     return req.state is RequestState.PREFILLING and req.num_computed_tokens > 0
 
 
-__all__ = ["LocalRequest", "StepPlan", "StepView", "WorkerScheduler", "compose_budget_step",
+__all__ = ["LocalRequest", "StepPlan", "StepView", "WorkerLimits", "WorkerScheduler",
+           "compose_budget_step",
            "compose_slo_step", "MIN_CHUNK_TOKENS", "PreemptMode", "is_started"]

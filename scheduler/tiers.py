@@ -126,6 +126,24 @@ def default_tiers() -> TierConfig:
     )
 
 
+def cpu_tiers() -> TierConfig:
+    """DESIGN §5's preset for CPU serving: targets a CPU engine can meet (a tier-0 TTFT of
+    200 ms is below one step of a small model on a few cores, which would mark every
+    tier-0 request hopeless on arrival)."""
+    return TierConfig(
+        tiers=(
+            TierSpec("latency-critical", ttft_s=1.0, tpot_s=0.25, e2e_s=None, share=0.30,
+                     weight=8.0, preempt_threshold=0.9, max_starvation_s=5.0),
+            TierSpec("interactive", ttft_s=4.0, tpot_s=0.5, e2e_s=None, share=0.50,
+                     weight=4.0, preempt_threshold=1.0, max_starvation_s=30.0),
+            TierSpec("batch", ttft_s=None, tpot_s=None, e2e_s=60.0, share=0.10,
+                     weight=2.0, preempt_threshold=1.0, max_starvation_s=120.0),
+            TierSpec("best-effort", ttft_s=None, tpot_s=None, e2e_s=300.0, share=0.10,
+                     weight=1.0, preempt_threshold=1.0, max_starvation_s=900.0),
+        )
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class TierMix:
     """Seeded assignment of tiers to trace requests (default 10/40/30/20 %)."""

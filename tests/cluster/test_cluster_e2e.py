@@ -166,33 +166,34 @@ def test_client_disconnect_mid_stream_frees_blocks(cluster) -> None:
     assert wait_until(lambda: _all_blocks_free(cluster), 30)
 
 
-def test_decode_stream_reader_gone_frees_blocks_without_any_abort(cluster) -> None:
-    """The decode worker alone notices that its reader left (no router abort is sent:
-    Ray Serve may cancel that abort with the request) and the request ends everywhere."""
+def test_requests_of_a_router_that_never_reads_free_their_blocks_without_any_abort(
+        cluster) -> None:
+    """A router replica that goes away sends no abort (Ray Serve may cancel it with the
+    request): the decode worker notices that nobody subscribes to the request's tokens
+    and the request ends everywhere."""
     import time
 
     import ray
 
-    from cluster.messages import pack, unpack
     from cluster.testing import wait_until
+    from scheduler.messages import (
+        GenerationSpec,
+        SamplingSpec,
+        SubmitAnswers,
+        SubmitBatch,
+        SubmitOutcome,
+        decode,
+        encode,
+    )
 
-    spec = {"req_id": "reader-gone", "prompt_token_ids": list(range(30, 90)),
-            "max_tokens": 400, "temperature": 0.8, "top_p": 1.0, "seed": 1, "tier": 2,
-            "tenant": "test", "arrival_time": time.time(), "stop_token_ids": []}
-    ticket = unpack(ray.get(cluster.handles.scheduler.submit.remote(pack(spec)), timeout=60))
-    assert ticket["kind"] == "placed"
-    gen = cluster.handles.decode[ticket["decode_worker_id"]].stream.options(
-        num_returns="streaming").remote("reader-gone")
-    got = 0
-    for ref in gen:
-        item = unpack(ray.get(ref, timeout=60))
-        assert item["e"] is None and item["f"] is None
-        got += len(item["t"])
-        if got >= 4:
-            break
-    ray.cancel(gen)
+    spec = GenerationSpec("reader-gone", tuple(range(30, 90)), SamplingSpec(400, 0.8, 1.0, 1),
+                          2, "test", time.time(), router_id="router-that-never-came")
+    raw = ray.get(cluster.handles.scheduler.submit.remote(encode(SubmitBatch((spec,)))),
+                  timeout=60)
+    assert decode(raw, SubmitAnswers).answers[0].outcome is SubmitOutcome.ACCEPTED
+    assert wait_until(lambda: cluster.handles.stats()["num_live"] == 1, 10)
+    assert wait_until(lambda: cluster.handles.stats()["num_live"] == 0, 40)
     assert wait_until(lambda: _all_blocks_free(cluster), 30)
-    assert cluster.handles.stats()["num_live"] == 0
 
 
 def test_bench_replays_a_trace_over_http(cluster, tmp_path) -> None:

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from cluster.config import ClusterConfig
-from cluster.topology import WorkerLocation
-from cluster.worker_runtime import build_engine, bytes_per_block
-from cluster.worker_setup import _policy
+from cluster.worker_runtime import build_engine
+from cluster.worker_setup import limits, worker_policy
 from decode_pool.worker import DecodeWorker
+from engine.service import bytes_per_block
 from engine.testing import make_tiny_checkpoint
 from kvtransfer import (
     KVConsumer,
@@ -30,7 +30,9 @@ from kvtransfer import (
     TensorKVStore,
     TransferConfig,
 )
-from router.backend import GenerationSpec, SamplingSpec
+from scheduler.messages import Dispatch, GenerationSpec, SamplingSpec, StartPrefill
+from scheduler.step_costs import CPU_PRIOR, StepCosts
+from scheduler.topology import WorkerInfo, WorkerRole
 
 torch.set_num_threads(1)
 
@@ -40,9 +42,11 @@ def tiny_path(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"))
 
 
-def _spec(req_id: str, n: int) -> dict:
-    return GenerationSpec(req_id, tuple(range(3, 3 + n)), SamplingSpec(max_tokens=4, temperature=0.0),
-                          tier=1, tenant="t", arrival_time=time.time()).to_dict()
+def _dispatch(req_id: str, n: int) -> Dispatch:
+    spec = GenerationSpec(req_id, tuple(range(3, 3 + n)),
+                          SamplingSpec(max_tokens=4, temperature=0.0), tier=1, tenant="t",
+                          arrival_time=time.time())
+    return Dispatch(spec, "prefill-0", -(-n // 4))
 
 
 def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path):
@@ -66,22 +70,29 @@ def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path
         engine_abort(req_id)
 
     engine.abort = watched_abort
-    events: list[dict] = []
+    events: list[object] = []
+    tickets: dict[str, dict] = {}
 
-    async def report(rep: dict) -> None:
+    async def report(rep: object) -> None:
         events.append(rep)
 
+    async def start_prefill(prefill_worker_id: str, msg: StartPrefill) -> str | None:
+        tickets[msg.spec.req_id] = msg.ticket
+        return None
+
     async def scenario() -> None:
-        worker = DecodeWorker("decode-0", cfg, engine, consumer,
-                              WorkerLocation("n0", "cpu", "d0"), report,
-                              _policy(cfg, bytes_per_block(engine)))
+        costs = StepCosts(CPU_PRIOR)
+        info = WorkerInfo("decode-0", WorkerRole.DECODE, "n0", "cpu", "d0",
+                          engine.num_total_blocks)
+        worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs), costs,
+                              limits(cfg), report, start_prefill)
         worker.start()
         try:
             total = engine.num_free_blocks
-            reply = await worker.reserve({"spec": _spec("r1", 16)})  # 4 blocks: 2 segments
-            assert reply["ok"] and engine.num_free_blocks == total - 4
+            reply = await worker.dispatch(_dispatch("r1", 16))  # 4 blocks: 2 segments
+            assert reply.ok and engine.num_free_blocks == total - 4
             records["r1"] = consumer.table.get("r1")
-            producer.begin(reply["ticket"])
+            producer.begin(tickets["r1"])
             await asyncio.sleep(0.2)  # Open and Ready
             producer.push("r1", [5, 6])  # the first segment lands
             deadline = time.monotonic() + 10
@@ -95,7 +106,8 @@ def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path
             assert freed == [(True, True)]  # freed once the transfer ended, receives released
             assert consumer.poll("r1") is None  # forgotten
             # a reservation whose transfer never opened is freed at once
-            reply = await worker.reserve({"spec": _spec("r2", 8)})
+            reply = await worker.dispatch(_dispatch("r2", 8))
+            assert reply.ok
             records["r2"] = consumer.table.get("r2")
             await worker.abort("r2")
             assert engine.num_free_blocks == total and freed[-1] == (True, True)
