@@ -233,8 +233,14 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
     handles, setup_refs = launch_workers(cfg, suffix=suffix)
     # Serve's controller, its proxy and (when the context length is known without the
     # workers) the router replica start while the workers load the model; /health says
-    # 503 until the workers have registered.
-    serve.start(http_options={"host": cfg.router.host, "port": cfg.router.port})
+    # 503 until the workers have registered. With direct ingress the replica serves the
+    # router's port and Serve's (fallback) proxy takes another one.
+    proxy_port = cfg.router.port
+    if direct_ingress_port() == cfg.router.port:
+        from cluster.testing import free_port
+
+        proxy_port = free_port()
+    serve.start(http_options={"host": cfg.router.host, "port": proxy_port})
     max_len = declared_max_model_len(cfg)
     if max_len is None:
         await_workers(handles, setup_refs)
@@ -248,13 +254,35 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
     return RunningCluster(cfg, handles)
 
 
-def init_ray(address: str | None, *, num_cpus: int | None = None) -> None:
-    """Join ``address`` or start a local Ray whose traffic stays on 127.0.0.1."""
+# Ray Serve's documented throughput mode: the ingress replica serves HTTP itself (no
+# proxy hop, gRPC between Serve's parts, its garbage collector frozen after start). It
+# is read when Ray starts, so only a Ray instance started here can have it.
+_THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+_DI_MIN, _DI_MAX = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+
+
+def direct_ingress_port() -> int | None:
+    """The port the router replica itself serves, when this process started Ray so."""
+    if os.environ.get(_THROUGHPUT_ENV) != "1" or _DI_MIN not in os.environ:
+        return None
+    return int(os.environ[_DI_MIN])
+
+
+def init_ray(address: str | None, *, num_cpus: int | None = None,
+             direct_ingress_port: int | None = None) -> None:
+    """Join ``address`` or start a local Ray whose traffic stays on 127.0.0.1.
+
+    ``direct_ingress_port``: a local Ray whose router replica serves that port itself
+    (Ray Serve's throughput mode, ``router.direct_ingress``); ignored when joining."""
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if ray.is_initialized():
         return
+    if direct_ingress_port is not None and not address:
+        os.environ[_THROUGHPUT_ENV] = "1"
+        os.environ[_DI_MIN] = str(direct_ingress_port)
+        os.environ[_DI_MAX] = str(direct_ingress_port + 1)
     if address:
         ray.init(address=address, namespace="tierserve", log_to_driver=True)
     else:

@@ -33,7 +33,12 @@ class RouterIngress:
         handles = {}
         for wid in decode_ids:
             handles[wid] = await asyncio.to_thread(ray.get_actor, wid, namespace=namespace)
-        tokenizer = await asyncio.to_thread(HFTokenizer.from_path, tokenizer_path)
+        if tokenizer_path == "stub":  # engine/stub.py: byte-level ids, no checkpoint
+            from engine.testing import make_byte_tokenizer
+
+            tokenizer = HFTokenizer(make_byte_tokenizer())
+        else:
+            tokenizer = await asyncio.to_thread(HFTokenizer.from_path, tokenizer_path)
         self._backend = ClusterBackend(sched, handles, tokenizer, model_name, max_model_len,
                                        rc.rpc_timeout_s, rc.request_timeout_s)
 

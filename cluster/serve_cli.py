@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import ray
 
-    init_ray(cfg.ray_address)
+    init_ray(cfg.ray_address,
+             direct_ingress_port=cfg.router.port if cfg.router.direct_ingress else None)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

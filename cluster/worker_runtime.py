@@ -20,6 +20,11 @@ from cluster.topology import (
 )
 
 
+# ``model.path: stub``: engines without a model (engine/stub.py), for measuring the
+# control plane alone (``tierserve bench-control``).
+STUB_MODEL = "stub"
+
+
 def resolve_model_path(path: str) -> str:
     if path == "default":
         from engine import default_model_path
@@ -44,6 +49,11 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
 
     torch.set_num_threads(cfg.pools.torch_threads)
     p = cfg.pools
+    if cfg.model.path == STUB_MODEL:
+        from engine.stub import make_stub_engine
+
+        return make_stub_engine(p.num_kv_blocks, p.block_size, max_num_seqs=p.max_num_seqs,
+                                max_num_batched_tokens=p.max_num_batched_tokens)
     dtype = cfg.model.dtype if cfg.model.dtype != "float16" else "auto"
     ec = EngineConfig(
         model=resolve_model_path(cfg.model.path),

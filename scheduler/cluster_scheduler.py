@@ -60,6 +60,9 @@ S = RequestState
 D = Decision
 # Longest a rejection sheds its tier (and the tiers after it) before admission looks again.
 SHED_WINDOW_S = 2.0
+# An abort that arrives before its request's submission (they travel separately) is kept
+# this long, so the late submission is refused instead of queued with nobody to read it.
+ABORT_MEMORY_S = 60.0
 
 
 class PoolMode(enum.Enum):
@@ -230,6 +233,7 @@ class ClusterScheduler:
         self._aborts: list[AbortOrder] = []
         self._preempts: list[PreemptOrder] = []
         self._last_tick = float("-inf")
+        self._early_aborts: dict[str, float] = {}
         self.num_preemptions = 0
 
     def new_costs(self) -> StepCosts:
@@ -270,6 +274,8 @@ class ClusterScheduler:
     def submit(self, nr: NewRequest, now: float) -> Admission:
         if nr.req_id in self.live:
             return Admission(SubmitOutcome.INVALID, "duplicate request id")
+        if self._early_aborts.pop(nr.req_id, None) is not None:
+            return Admission(SubmitOutcome.INVALID, "aborted before it was submitted")
         if not 0 <= nr.tier < self.tiers.num_tiers:
             return Admission(SubmitOutcome.INVALID, f"tier {nr.tier} is not configured")
         if not self._decode_slots() or (self.mode is PoolMode.DISAGGREGATED
@@ -305,9 +311,15 @@ class ClusterScheduler:
 
     def abort(self, req_id: str, now: float, decision: Decision = D.CLIENT_GONE,
               by: str = "router:abort", error: str | None = None) -> None:
-        """End the request everywhere: its queue slot, its workers' blocks, its books."""
+        """End the request everywhere: its queue slot, its workers' blocks, its books. An
+        unknown id is remembered for a while: its submission may still be on its way."""
         if req_id in self.live:
             self._end(req_id, now, decision, by, error=error)
+            return
+        self._early_aborts[req_id] = now
+        if len(self._early_aborts) > 4096:
+            self._early_aborts = {k: t for k, t in self._early_aborts.items()
+                                  if now - t < ABORT_MEMORY_S}
 
     def get(self, req_id: str) -> Request | None:
         e = self.live.get(req_id)
@@ -492,9 +504,13 @@ class ClusterScheduler:
         for ev in rep.events:
             self._on_event(w, ev, now)
         # Running requests as the worker holds them (dispatches in flight keep theirs).
-        seen = set()
+        seen = {r.req_id for r in rep.running}
+        for book in (w.prefill_left, w.held):
+            for rid in [rid for rid in book if rid not in seen]:
+                e = self.live.get(rid)
+                if e is None or not e.is_dispatching:
+                    del book[rid]  # the worker no longer holds it
         for r in rep.running:
-            seen.add(r.req_id)
             e = self.live.get(r.req_id)
             if e is None:
                 continue

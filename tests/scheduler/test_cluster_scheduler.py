@@ -7,7 +7,7 @@ for a more urgent tier, conditional disaggregation, dead workers)."""
 from __future__ import annotations
 
 from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, PoolMode
-from scheduler.messages import ReqEvent, SubmitOutcome, WorkerEvent, WorkerReport
+from scheduler.messages import ReqEvent, RunningReq, SubmitOutcome, WorkerEvent, WorkerReport
 from scheduler.preemption import PreemptMode
 from scheduler.request import RequestState
 from scheduler.testing import make_costs
@@ -113,7 +113,8 @@ def test_tier0_without_decode_room_preempts_a_lower_tier_decode() -> None:
     cs.on_report(WorkerReport("p0", 256, 256, events=(
         ReqEvent("low", WorkerEvent.PREFILL_DONE, 0.5),)), 0.5)
     cs.on_report(WorkerReport("d0", 2, 16, events=(
-        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),)), 0.6)
+        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),),
+        running=(RunningReq("low", 14, 1),)), 0.6)
     assert cs.get("low").state is RequestState.DECODING
     submit(cs, "top", 0, 200, now=2.0)
     plan = cs.plan(2.0)
@@ -178,3 +179,22 @@ def test_peer_policy_stops_at_the_head_of_the_line() -> None:
     submit(cs2, "big", 1, 400, now=0.0)
     submit(cs2, "small", 1, 10, now=0.1)
     assert dispatch_all(cs2, 0.2) == ["small"]  # tierserve lets it pass
+
+
+def test_an_abort_that_overtakes_its_submission_refuses_it() -> None:
+    cs = make_cluster()
+    cs.abort("late", 0.0)  # the router's abort arrived first (they travel separately)
+    assert submit(cs, "late", 1, 10, now=0.1).outcome is SubmitOutcome.INVALID
+    assert cs.get("late") is None and not cs.waiting()
+
+
+def test_reports_drop_what_the_worker_no_longer_holds() -> None:
+    cs = make_cluster()
+    submit(cs, "a", 2, 100, now=0.0)
+    dispatch_all(cs, 0.0)
+    assert cs.workers["p0"].prefill_left == {"a": 100}
+    cs.on_report(WorkerReport("p0", 256, 256, running=(RunningReq("a", 0, 0, 40),)), 0.1)
+    assert cs.workers["p0"].prefill_left == {"a": 40}
+    cs.on_report(WorkerReport("p0", 256, 256, running=()), 0.2)  # gone from the worker
+    assert cs.workers["p0"].prefill_left == {}
+    assert cs.workers["p0"].backlog_s() == 0.0

@@ -1,0 +1,59 @@
+"""An engine with every part but the model: for measuring the control plane alone.
+
+:func:`make_stub_engine` builds a real :class:`~engine.engine.LLMEngine` (its block pool,
+scheduling, prefix cache, stop conditions, ``run_plan``) over a one-layer placeholder
+model whose forward costs nothing: the runner returns zero logits, so greedy sampling
+picks token 0 every step. A cluster over stub engines spends its time only in the router,
+the global scheduler, the workers' Python and Ray, which is what ``tierserve
+bench-control`` measures (requests per second through router and scheduler). Selected
+with ``model.path: stub`` in ``pools.mode: aggregated`` (it has no KV to transfer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+
+STUB_VOCAB = 512
+STUB_CONTEXT = 8192
+
+
+class _StubConfig:
+    num_hidden_layers = 1
+    num_attention_heads = 1
+    num_key_value_heads = 1
+    hidden_size = 8
+    head_dim = 8
+    vocab_size = STUB_VOCAB
+    max_position_embeddings = STUB_CONTEXT
+    eos_token_id = None
+
+
+class _StubModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _StubConfig()
+        self.generation_config = None
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+
+class _StubRunner:
+    """Zero logits for every sampled row: no forward at all."""
+
+    def execute(self, decodes: Sequence[object], chunks: Sequence[object]) -> torch.Tensor:
+        n = sum(1 for w in (*decodes, *chunks) if getattr(w, "sample", False))
+        return torch.zeros(n, STUB_VOCAB)
+
+
+def make_stub_engine(num_kv_blocks: int, block_size: int = 16, *, max_num_seqs: int = 256,
+                     max_num_batched_tokens: int = 8192) -> LLMEngine:
+    cfg = EngineConfig(model="stub", dtype="float32", device="cpu", block_size=block_size,
+                       num_kv_blocks=num_kv_blocks, prefill_chunk_size=max_num_batched_tokens,
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    engine = LLMEngine(cfg, model=_StubModel(), tokenizer=None)
+    engine.runner = _StubRunner()  # type: ignore[assignment]
+    return engine
