@@ -19,7 +19,6 @@ from cluster.topology import (
     label_value,
 )
 
-
 # ``model.path: stub``: engines without a model (engine/stub.py), for measuring the
 # control plane alone (``tierserve bench-control``).
 STUB_MODEL = "stub"
