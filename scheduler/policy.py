@@ -191,9 +191,10 @@ class TierservePolicy(SchedulingPolicy):
         tightest = min(ttfts) if ttfts else min(t.deadline_s for t in ctx.tiers.tiers)
         tokens = self.tiers.anti_thrash_s / max(ctx.est.decode_token_s(), 1e-6)
         self._growth_blocks = int(tokens // ctx.block_size) + 1
-        # At least one 256-token chunk: on slow hardware (a CPU) one step's fixed cost
-        # alone can exceed the fraction of the TTFT, and a step must still make progress.
-        self._slo_step_s = max(self.STEP_FRACTION_OF_TTFT * tightest, ctx.est.prefill_s(256, 0))
+        # A step's share of the tightest TTFT: an arrival of that tier waits at most one
+        # such step (compose_step also keeps a step at least twice its fixed cost, so
+        # slow hardware does not spend half its time on step overhead).
+        self._slo_step_s = self.STEP_FRACTION_OF_TTFT * tightest
         self._slo_step_tokens = self._step_tokens_within(self._slo_step_s)
 
     def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
@@ -223,10 +224,11 @@ class TierservePolicy(SchedulingPolicy):
         return self.DISPATCH_HORIZON_STEPS * self._slo_step_s
 
     def compose_step(self, view: StepView) -> StepPlan:
-        cap = max(self._slo_step_s, view.costs.prefill_s(MIN_CHUNK_TOKENS, 0))
+        fixed = view.costs.coefficients[0]
+        cap = max(self._slo_step_s, 2 * fixed, view.costs.prefill_s(MIN_CHUNK_TOKENS, 0))
         tiers = self.tiers
         return compose_slo_step(view, self, step_cap_s=cap,
-                                tpot_of=lambda r: tiers[r.tier].tpot_s)
+                                tpot_of=lambda r: tiers[r.tier].tpot_s, uncapped_tier=0)
 
     skips_blocked = True
     # A prefill step may take at most this fraction of the tightest TTFT target, so

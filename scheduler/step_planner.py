@@ -165,8 +165,12 @@ def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) ->
 
 
 def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base: StepShape,
-                 free_blocks: int, room: int, first_min: int) -> list[tuple[str, int]]:
-    """Prefill chunks in queue (policy) order within the budgets."""
+                 free_blocks: int, room: int, first_min: int, *,
+                 uncapped: Callable[[Request], float | None] | None = None
+                 ) -> list[tuple[str, int]]:
+    """Prefill chunks in queue (policy) order within the budgets. ``uncapped(req)``: a
+    looser time budget for that request's chunk (None: only the token budget), for the
+    most urgent tier, whose prompt need not wait behind its own chunking."""
     chunks: list[tuple[str, int]] = []
     left = [token_budget, free_blocks, room]
     shape = [base]
@@ -182,9 +186,13 @@ def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base:
             need = lr.blocks_for(lr.num_computed + lr.num_prefill_left + 1, bs)
             if need > left[1] or left[2] <= 0:
                 return Verdict.SKIP
+        limit_s = seconds
         take = min(lr.num_prefill_left, left[0], view.chunk_tokens)
-        if seconds is not None:
-            fit = costs.tokens_within(seconds, lr.num_computed, base=shape[0])
+        if uncapped is not None and req.tier == 0 and not chunks:
+            limit_s = uncapped(req)
+            take = min(lr.num_prefill_left, left[0])
+        if limit_s is not None:
+            fit = costs.tokens_within(limit_s, lr.num_computed, base=shape[0])
             if fit < take:
                 if chunks or fit >= MIN_CHUNK_TOKENS:
                     take = min(take, fit)
@@ -237,7 +245,7 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
 
 def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: float,
                      tpot_of: Callable[[Request], float | None],
-                     tpot_margin: float = 0.8) -> StepPlan:
+                     tpot_margin: float = 0.8, uncapped_tier: int | None = None) -> StepPlan:
     """tierserve's step, sized by the tiers' targets from the measured step costs.
 
     Decodes: in policy order, the batch grows while the predicted step stays within
@@ -245,7 +253,9 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     tier has no TPOT target only joins while that still holds). Prefill: chunks in policy
     order within the time left to the tightest target and at most ``step_cap_s`` (so an
     urgent arrival waits at most one short step), the most urgent always getting at least
-    ``MIN_CHUNK_TOKENS``.
+    ``MIN_CHUNK_TOKENS``. A request of ``uncapped_tier`` that leads the step is not cut by
+    the cap (only by the decodes' TPOT bound): splitting the most urgent prompt into
+    short steps would only add their fixed costs to its own first token.
     """
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
     ordered = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes], view.now))}
@@ -272,7 +282,9 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     swap, free = _swap_ins(view, free, policy, room)
     room -= len(swap)
     budget = view.max_num_batched_tokens - len(batch)
-    chunks = _take_chunks(view, budget, seconds, base, free, room, MIN_CHUNK_TOKENS)
+    tpot_bound = None if tight is None else tpot_margin * tight
+    chunks = _take_chunks(view, budget, seconds, base, free, room, MIN_CHUNK_TOKENS,
+                          uncapped=None if uncapped_tier is None else (lambda r: tpot_bound))
     shape = base
     for rid, n in chunks:
         c = view.local[rid].num_computed
