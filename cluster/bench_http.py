@@ -8,9 +8,12 @@ one streaming ``/v1/completions`` call per request at its arrival time, its tier
 ``x-tierserve-tier`` header -> TTFT (first SSE event), TPOT ((last - first) / (n - 1)),
 SLO met per the tier targets -> per-tier P50/P99, attainment, goodput, as text and JSON::
 
-    {"policy", "url", "requests", "errors", "duration_s",
-     "tiers": {"0": {"requests", "errors", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-                     "attainment", "goodput_rps"}, ...}}
+    {"policy", "url", "requests", "errors", "rejected", "duration_s",
+     "tiers": {"0": {"requests", "errors", "rejected", "ttft_p50", "ttft_p99", "tpot_p50",
+                     "tpot_p99", "attainment", "goodput_rps"}, ...}}
+
+``errors`` counts every request that failed, HTTP 429 included (as before ``rejected``
+existed); ``rejected`` is the part of it that admission turned away with a 429.
 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
 """
@@ -30,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from scheduler.tiers import TierConfig, TierSpec, default_tiers
+
+REJECTED_STATUS = 429  # admission said no (router/app.py), counted apart from other errors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +63,12 @@ class Outcome:
     e2e_s: float | None = None
     num_tokens: int = 0
     error: str = ""
+    # The HTTP status when the server answered with anything but 200 (None otherwise).
+    status: int | None = None
+
+    @property
+    def is_rejected(self) -> bool:
+        return self.status == REJECTED_STATUS
 
 
 def slo_met(spec: TierSpec, o: Outcome) -> bool:
@@ -83,12 +94,14 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     t0 = time.perf_counter()
     marks: dict[str, float] = {}
     n = 0
+    status: int | None = None
 
     async def stream() -> str | None:
-        nonlocal n
+        nonlocal n, status
         async with client.stream("POST", f"{url}/v1/completions", json=body,
                                  headers={"x-tierserve-tier": str(tier)}) as r:
             if r.status_code != 200:
+                status = r.status_code
                 text = (await r.aread()).decode(errors="replace")[:200]
                 return f"HTTP {r.status_code}: {text}"
             async for line in r.aiter_lines():
@@ -115,7 +128,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     except Exception as e:  # connection refused / reset: counted as an error, run goes on
         return Outcome(tier, False, error=f"{type(e).__name__}: {e}")
     if error is not None:
-        return Outcome(tier, False, error=error)
+        return Outcome(tier, False, error=error, status=status)
     first, last = marks.get("first"), marks.get("last", t0)
     if first is None:
         return Outcome(tier, False, error="no tokens")
@@ -131,6 +144,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
               policy: str, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"policy": policy, "url": url, "requests": len(outcomes),
                            "errors": sum(1 for o in outcomes if not o.ok),
+                           "rejected": sum(1 for o in outcomes if o.is_rejected),
                            "duration_s": duration_s, "tiers": {}}
     for t in range(tiers.num_tiers):
         mine = [o for o in outcomes if o.tier == t]
@@ -140,6 +154,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
         tpot = [o.tpot_s for o in ok if o.tpot_s is not None]
         out["tiers"][str(t)] = {
             "requests": len(mine), "errors": len(mine) - len(ok),
+            "rejected": sum(1 for o in mine if o.is_rejected),
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "attainment": met / len(mine) if mine else None,
@@ -206,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcomes, tiers, min(elapsed, args.duration) if elapsed else 0.0,
                         args.policy_label or "unknown", args.url)
     summary["model"] = model
-    print(f"{summary['requests']} requests, {summary['errors']} errors, {elapsed:.1f} s "
+    print(f"{summary['requests']} requests, {summary['errors']} errors "
+          f"({summary['rejected']} rejected), {elapsed:.1f} s "
           f"(policy {summary['policy']})")
     print("tier  n     ttft_p50  ttft_p99  tpot_p50  tpot_p99  attain  goodput/s")
     for t, s in summary["tiers"].items():
