@@ -1,23 +1,18 @@
 """`tierserve bench-scheduler`: decision latency of the kernel at scale.
 
-Two measurements, both through the policy API a worker or the global scheduler
-calls (the policy is ``make_policy(--policy)`` with the ``h200-llama3-8b`` cost
-model as its service estimate):
+Two measurements, through the same objects every driver steps (``--policy``, GPU-scale
+step costs from ``scheduler.step_costs.GPU_PRIOR``):
 
-- step: one decode worker's step decision with ``--running`` (256) requests
-  decoding and ``--waiting`` (4096) in its wait queue (``policy.make_queue()``):
-  the KV-pressure check for the running batch's growth
-  (``policy.on_kv_pressure`` over the running requests, when short), then the
-  budget fill (``queue.take`` in policy order against a prefill token budget
-  and the free KV blocks), with ``policy.preempt_for`` for the first request
-  that does not fit. The worker's KV is kept nearly full so both preemption
-  calls run on most steps. Between timed steps the taken requests are replaced
-  by new arrivals and their blocks returned (not timed), so the queue stays at
-  its size.
-- placement: one request's placement by the global scheduler: prefix match over
-  a :class:`PrefixMirror` filled from the Mooncake trace (16-token blocks, 8
-  prefill workers), ``policy.place_prefill``, then ``policy.place_decode`` over
-  16 decode workers in 4 NVLink domains on 2 nodes.
+- step: one worker's ``WorkerScheduler.plan()`` with ``--running`` (256) requests
+  decoding and ``--waiting`` (4096) prefills in its queue (``policy.compose_step``:
+  the KV-pressure check for the batch's growth, the TPOT-sized decode batch, the prefill
+  chunks in policy order within the step's budgets). The worker's KV is kept nearly full
+  in the pressure variant, so victims are chosen on most steps. Between timed steps
+  the prefills taken are replaced by new arrivals (not timed), so the queue keeps its size.
+- placement: ``ClusterScheduler.submit`` + ``plan`` for one arrival (admission, prefix
+  match over a :class:`PrefixMirror` filled from the Mooncake trace, prefill and decode
+  placement over 8 prefill and 16 decode workers in 4 NVLink domains on 2 nodes, the
+  dispatch order); the dispatch is then answered and the request closed (not timed).
 
 Writes ``{"step": {"p50_us", "p99_us", ...}, "placement": {...}}`` with
 ``--json``; ``--profile`` prints where the step's time goes (cProfile).
@@ -34,16 +29,15 @@ import random
 import time
 from pathlib import Path
 
-from scheduler.kv import KVBlockAccount
-from scheduler.placement import DecodeView, PrefillView
+from scheduler.cluster_scheduler import ClusterScheduler, NewRequest
 from scheduler.policies import POLICY_NAMES, make_policy
-from scheduler.policy import PolicyContext, SchedulingPolicy
-from scheduler.preemption import VictimView
-from scheduler.prefix_index import BlockStored, PrefixMirror
-from scheduler.queues import Verdict, WaitQueue
+from scheduler.policy import PolicyContext
+from scheduler.prefix_index import BlockStored
 from scheduler.request import Request, RequestState
 from scheduler.sim.costmodel import PROFILES, CostModel
 from scheduler.sim.traces import read_mooncake
+from scheduler.step_costs import GPU_PRIOR, StepCosts
+from scheduler.step_planner import WorkerScheduler
 from scheduler.tiers import TierMix, default_tiers
 from scheduler.topology import WorkerInfo, WorkerRole
 
@@ -110,61 +104,26 @@ class _Workload:
         return r
 
 
-class _BudgetFill:
-    """The ``accept`` callback of one step: prefill token budget, then free KV."""
-
-    def __init__(self, policy: SchedulingPolicy, acct: KVBlockAccount,
-                 views: list[VictimView], now: float, budget_tokens: int, bs: int) -> None:
-        self.policy = policy
-        self.acct = acct
-        self.views = views
-        self.now = now
-        self.left = budget_tokens
-        self.bs = bs
-        self.asked = False
-        self.num_reserved = 0
-
-    def __call__(self, req: Request) -> Verdict:
-        if self.left <= 0:
-            return Verdict.STOP
-        acct = self.acct
-        need = req.num_blocks_needed(self.bs, 1)
-        if need > acct.num_free:
-            if not self.asked:
-                self.asked = True
-                self.policy.preempt_for(req, need, acct.num_free, self.views, self.now)
-            return Verdict.SKIP if self.policy.skips_blocked else Verdict.STOP
-        self.left -= req.prompt_len
-        self.num_reserved += need
-        acct.num_cached += need  # held for this step; returned after timing
-        return Verdict.TAKE
-
-
-def bench_step(policy: SchedulingPolicy, ctx: PolicyContext, *, running: int, waiting: int,
+def bench_step(policy_name: str, ctx: PolicyContext, *, running: int, waiting: int,
                steps: int, seed: int, free_blocks: int, max_age_s: float,
                profile: cProfile.Profile | None = None) -> dict[str, float]:
     wl = _Workload(seed, max_age_s)
     now = 100.0
     bs = ctx.block_size
+    costs = StepCosts(GPU_PRIOR)
+    policy = make_policy(policy_name, PolicyContext(ctx.tiers, costs, ctx.costs, bs))
     worker = WorkerInfo("d0", WorkerRole.DECODE, "n0", "cuda:0", "nvl0", 0)
-    peer = WorkerInfo("d1", WorkerRole.DECODE, "n0", "cuda:1", "nvl0", 0)
-    run_reqs = [wl.request(now, RequestState.DECODING) for _ in range(running)]
-    held = sum(r.num_blocks_needed(bs) for r in run_reqs)
-    # Requests whose context crosses a block boundary at step k need a block then.
-    crossing = [0] * bs
-    crossing_top = [ctx.tiers.num_tiers] * bs  # the most urgent tier crossing at step k
-    for r in run_reqs:
-        k = (-r.num_context_tokens) % bs
-        crossing[k] += 1
-        crossing_top[k] = min(crossing_top[k], r.tier)
-    acct = KVBlockAccount("d0", held + free_blocks)
-    for r in run_reqs:
-        acct.allocate(r.req_id, r.num_blocks_needed(bs))
-    views = [VictimView(r, worker, acct.blocks_of(r.req_id), 0, peer) for r in run_reqs]
-    queue: WaitQueue = policy.make_queue()
+    ws = WorkerScheduler(worker, policy, costs, block_size=bs, max_num_seqs=512,
+                         max_num_batched_tokens=8192, chunk_tokens=8192)
+    held = 0
+    for _ in range(running):
+        r = wl.request(now, RequestState.DECODING)
+        n = r.num_blocks_needed(bs)
+        ws.add_decode(r, r.num_context_tokens - 1, n)
+        held += n
     for _ in range(waiting):
-        queue.push(wl.request(now), now)
-    budget_tokens = 8192
+        r = wl.request(now)
+        ws.add_prefill(r, r.prompt_len, now)
     times: list[float] = []
     cpu: list[float] = []
     for step in range(steps):
@@ -175,22 +134,21 @@ def bench_step(policy: SchedulingPolicy, ctx: PolicyContext, *, running: int, wa
         t0 = time.perf_counter()
         if profile is not None:
             profile.enable()
-        # 1. KV check for the running batch: each request crossing a block boundary
-        # needs one more block; short -> victims.
-        grow = crossing[step % bs]
-        if grow > acct.num_free:
-            policy.on_kv_pressure(grow - acct.num_free, views, now, crossing_top[step % bs])
-        # 2. Budget fill in policy order; the first request that does not fit
-        # asks whether to preempt for it.
-        fill = _BudgetFill(policy, acct, views, now, budget_tokens, bs)
-        taken = queue.take(now, fill)
+        plan = ws.plan(now, free_blocks)
         if profile is not None:
             profile.disable()
         times.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
-        acct.num_cached -= fill.num_reserved
-        for _ in taken:
-            queue.push(wl.request(now), now)
+        # Untimed: the chunks' requests go back as fresh arrivals, the victims return.
+        for rid, _ in plan.chunks:
+            ws.remove(rid)
+            r = wl.request(now)
+            ws.add_prefill(r, r.prompt_len, now)
+        ws._inflight.clear()
+        for v in plan.preempt:
+            lr = ws.remove(v.req_id)
+            if lr is not None:
+                ws.add_decode(lr.req, lr.num_computed, lr.num_blocks)
     return _percentiles(times, cpu)
 
 
@@ -201,43 +159,45 @@ def _block_hashes(hash_ids: tuple[int, ...], prompt_len: int, bs: int) -> tuple[
     return tuple(hash_ids[j // per] * per + j % per for j in range(min(n, len(hash_ids) * per)))
 
 
-def bench_placement(policy: SchedulingPolicy, ctx: PolicyContext, *, trace: str,
+def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
                     placements: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     bs = ctx.block_size
     reqs = read_mooncake(trace, seed=seed)
+    cs = ClusterScheduler(ctx.tiers, policy_name, bs, ctx.costs, cost_prior=GPU_PRIOR)
     prefill = [WorkerInfo(f"p{i}", WorkerRole.PREFILL, f"n{i // 4}", f"n{i // 4}/cuda:{i % 4}",
                           f"n{i // 4}/nvl{(i % 4) // 2}", 50_000) for i in range(8)]
     decode = [WorkerInfo(f"d{i}", WorkerRole.DECODE, f"n{i // 8}", f"n{i // 8}/cuda:{4 + i % 8}",
                          f"n{i // 8}/nvl{(i % 8) // 4}", 50_000) for i in range(16)]
-    mirror = PrefixMirror()
+    for w in prefill:
+        cs.add_worker(w, 50_000, can_prefill=True, can_decode=False)
+    for w in decode:
+        cs.add_worker(w, rng.randint(1_000, 50_000), can_prefill=False, can_decode=True)
     warm = len(reqs) // 2
     for k, tr in enumerate(reqs[:warm]):
         w = prefill[k % len(prefill)]
-        mirror.apply(w.worker_id, BlockStored(list(_block_hashes(tr.hashes, tr.prompt_len, bs)),
-                                              None))
+        cs.mirror.apply(w.worker_id, BlockStored(list(_block_hashes(tr.hashes, tr.prompt_len,
+                                                                     bs)), None))
     probes = reqs[warm:]
-    ids = [w.worker_id for w in prefill]
     times: list[float] = []
     cpu: list[float] = []
+    now = 1000.0
     for k in range(placements):
         tr = probes[k % len(probes)]
-        req = Request(req_id=f"m{k}", tier=tr.tier, arrival_time=0.0, prompt_len=tr.prompt_len,
-                      max_new_tokens=tr.output_len,
-                      block_hashes=_block_hashes(tr.hashes, tr.prompt_len, bs))
-        backlog = [rng.uniform(0.0, 2.0) for _ in prefill]
-        free = [rng.randint(0, 50_000) for _ in decode]
-        need = req.num_blocks_needed(bs, 1)
+        nr = NewRequest(f"m{k}", tr.tier, now, tr.prompt_len, 2048,
+                        _block_hashes(tr.hashes, tr.prompt_len, bs))
+        for w in prefill:  # some queued prefill work on each, as in a busy cluster
+            cs.workers[w.worker_id].prefill_left = {"_": rng.randint(0, 20_000)}
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        match = mirror.match_lens(req.block_hashes, ids)
-        pviews = [PrefillView(w, backlog[i], match[w.worker_id]) for i, w in enumerate(prefill)]
-        chosen = policy.place_prefill(req, pviews)
-        if chosen is not None:
-            dviews = [DecodeView(w, free[i], 16) for i, w in enumerate(decode)]
-            policy.place_decode(req, need, dviews, chosen.info)
+        cs.submit(nr, now)
+        plan = cs.plan(now)
         times.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
+        for d in plan.dispatches:  # untimed: answer it, then end it
+            cs.on_dispatch_result(d.req_id, True, now)
+        cs.abort(nr.req_id, now)
+        now += 0.01
     return _percentiles(times, cpu)
 
 
@@ -250,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = PolicyContext(tiers=default_tiers(), est=cost, costs=cost.links,
                         block_size=cost.block_size)
     try:
-        policy = make_policy(args.policy, ctx)
+        make_policy(args.policy, ctx)
     except ValueError as e:
         print(f"tierserve bench-scheduler: {e}")
         return 2
@@ -259,12 +219,11 @@ def run(args: argparse.Namespace) -> int:
     common = dict(running=args.running, waiting=args.waiting, steps=args.steps, seed=args.seed,
                   max_age_s=args.max_age)
     # Typical: the worker has KV headroom; preemption calls run only when short.
-    step = bench_step(policy, ctx, free_blocks=args.free_blocks, profile=prof, **common)
-    # Pressure: KV nearly full, so on_kv_pressure and preempt_for run on most steps.
-    pressure = bench_step(make_policy(args.policy, ctx), ctx, free_blocks=64,
-                          profile=prof_pressure, **common)
-    place = bench_placement(make_policy(args.policy, ctx), ctx, trace=args.trace,
-                            placements=args.placements, seed=args.seed)
+    step = bench_step(args.policy, ctx, free_blocks=args.free_blocks, profile=prof, **common)
+    # Pressure: KV nearly full, so victims are chosen on most steps.
+    pressure = bench_step(args.policy, ctx, free_blocks=8, profile=prof_pressure, **common)
+    place = bench_placement(args.policy, ctx, trace=args.trace, placements=args.placements,
+                            seed=args.seed)
     out = {"policy": args.policy, "running": args.running, "waiting": args.waiting,
            "free_blocks": args.free_blocks, "max_age_s": args.max_age,
            "step": step, "step_kv_pressure": pressure, "placement": place}

@@ -204,10 +204,12 @@ def no_inversion(feasible: list[Request], hopeless: list[Request]) -> list[Reque
     ahead of the first feasible request of a less urgent tier (DESIGN §5)."""
     out: list[Request] = []
     pending = list(hopeless)
+    low = min((h.tier for h in pending), default=None)
     for r in feasible:
-        if pending and any(h.tier < r.tier for h in pending):
+        if low is not None and low < r.tier:
             out.extend(sorted((h for h in pending if h.tier < r.tier), key=lambda h: h.tier))
             pending = [h for h in pending if h.tier >= r.tier]
+            low = min((h.tier for h in pending), default=None)
         out.append(r)
     return out + pending
 

@@ -195,6 +195,7 @@ class TierservePolicy(SchedulingPolicy):
         # such step (compose_step also keeps a step at least twice its fixed cost, so
         # slow hardware does not spend half its time on step overhead).
         self._slo_step_s = self.STEP_FRACTION_OF_TTFT * tightest
+        self._tpots = tuple(t.tpot_s for t in ctx.tiers.tiers)
         self._slo_step_tokens = self._step_tokens_within(self._slo_step_s)
 
     def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
@@ -226,9 +227,8 @@ class TierservePolicy(SchedulingPolicy):
     def compose_step(self, view: StepView) -> StepPlan:
         fixed = view.costs.coefficients[0]
         cap = max(self._slo_step_s, 2 * fixed, view.costs.prefill_s(MIN_CHUNK_TOKENS, 0))
-        tiers = self.tiers
-        return compose_slo_step(view, self, step_cap_s=cap,
-                                tpot_of=lambda r: tiers[r.tier].tpot_s, uncapped_tier=0)
+        return compose_slo_step(view, self, step_cap_s=cap, tpot_by_tier=self._tpots,
+                                uncapped_tier=0)
 
     skips_blocked = True
     # A prefill step may take at most this fraction of the tightest TTFT target, so

@@ -94,6 +94,7 @@ class StepCosts:
         # Typical decode batch (EWMA), for decode_token_s().
         self._typical_decodes = 1.0
         self._typical_context = 256.0
+        self._decode_token_s: float | None = None  # cached until the model changes
 
     # -- learning -------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class StepCosts:
             self._xty[i] = d * self._xty[i] + xi * seconds
         self.num_observed += 1
         self._dirty = True
+        self._decode_token_s = None
         if shape.num_decodes:
             self._typical_decodes += 0.1 * (shape.num_decodes - self._typical_decodes)
             per = shape.decode_context / shape.num_decodes
@@ -146,9 +148,11 @@ class StepCosts:
 
     def decode_token_s(self) -> float:
         """ServiceEstimate: one decode step at the worker's typical batch."""
-        b = max(self._typical_decodes, 1.0)
-        return self.step_s(StepShape(num_decodes=round(b),
-                                     decode_context=int(b * self._typical_context)))
+        if self._decode_token_s is None:
+            b = max(self._typical_decodes, 1.0)
+            self._decode_token_s = self.step_s(StepShape(
+                num_decodes=round(b), decode_context=int(b * self._typical_context)))
+        return self._decode_token_s
 
     def decode_step_s(self, num_decodes: int, context_tokens: int) -> float:
         return self.step_s(StepShape(num_decodes=num_decodes, decode_context=context_tokens))
@@ -179,6 +183,7 @@ class StepCosts:
             return
         self._coef = tuple(max(0.0, float(v)) for v in values[:NUM_FEATURES])
         self._dirty = False
+        self._decode_token_s = None
         self._typical_decodes = max(1.0, float(values[NUM_FEATURES]))
         self._typical_context = max(1.0, float(values[NUM_FEATURES + 1]))
         self.num_observed = max(self.num_observed, 1)

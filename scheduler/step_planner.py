@@ -244,7 +244,7 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
 
 
 def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: float,
-                     tpot_of: Callable[[Request], float | None],
+                     tpot_by_tier: Sequence[float | None],
                      tpot_margin: float = 0.8, uncapped_tier: int | None = None) -> StepPlan:
     """tierserve's step, sized by the tiers' targets from the measured step costs.
 
@@ -258,23 +258,39 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     short steps would only add their fixed costs to its own first token.
     """
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
-    ordered = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes], view.now))}
-    decodes.sort(key=lambda d: ordered[d.req_id])
-    batch: list[LocalRequest] = []
+    costs = view.costs
+    limit = view.max_num_seqs
+    batch = decodes[:limit]
     tight: float | None = None
-    skipped_room = 0
-    for d in decodes:
-        if len(batch) >= view.max_num_seqs:
-            break
-        t = tpot_of(d.req)
-        cand_tight = tight if t is None else (t if tight is None else min(tight, t))
-        if cand_tight is not None and batch:
-            if view.costs.step_s(_shape([*batch, d])) > tpot_margin * cand_tight:
-                skipped_room += 1
+    ctx = 0
+    for d in batch:  # one pass: the tightest target and the attended context
+        ctx += d.num_computed + 1
+        t = tpot_by_tier[d.req.tier]
+        if t is not None and (tight is None or t < tight):
+            tight = t
+    all_shape = StepShape(num_decodes=len(batch), decode_context=ctx)
+    if tight is not None and costs.step_s(all_shape) > tpot_margin * tight:
+        # Too many for the tightest target: most urgent first, each joins while the
+        # step still fits the tightest target among those in it.
+        order = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes],
+                                                                view.now))}
+        decodes.sort(key=lambda d: order[d.req_id])
+        batch, tight = [], None
+        n = ctx = 0
+        for d in decodes:
+            if len(batch) >= limit:
+                break
+            t = tpot_by_tier[d.req.tier]
+            cand = tight if t is None else (t if tight is None else min(tight, t))
+            step = costs.step_s(StepShape(num_decodes=n + 1, decode_context=ctx + d.num_computed + 1))
+            if cand is not None and batch and step > tpot_margin * cand:
                 continue  # it waits a step; the tighter tiers keep their pace
-        batch.append(d)
-        tight = cand_tight
-    base = _shape(batch)
+            batch.append(d)
+            tight = cand
+            n += 1
+            ctx += d.num_computed + 1
+        all_shape = StepShape(num_decodes=n, decode_context=ctx)
+    base = all_shape
     seconds = step_cap_s
     if tight is not None:
         seconds = min(seconds, tpot_margin * tight)
