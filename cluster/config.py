@@ -70,6 +70,10 @@ class PoolsConfig(_Frozen):
     # worker ("disaggregated"), on the decode worker itself ("aggregated": no prefill
     # workers are needed), or chosen per request by the kernel ("auto").
     mode: Literal["disaggregated", "aggregated", "auto"] = "disaggregated"
+    # auto: prompts (less their prefix-cache hit) longer than this always go to a prefill
+    # worker; shorter ones run where the first token is predicted earlier (like Dynamo's
+    # max_local_prefill_length).
+    auto_local_prefill_max_tokens: int = Field(1024, ge=0)
     num_prefill: int = Field(1, ge=0, le=64)
     num_decode: int = Field(1, ge=1, le=64)
     # Ray resources per worker: fractional CPUs on CPU machines, one GPU on GPU nodes.

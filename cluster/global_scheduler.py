@@ -92,6 +92,7 @@ class GlobalScheduler:
                  client: WorkerClient, link_costs: LinkCosts, *,
                  mode: PoolMode = PoolMode.DISAGGREGATED, control_interval_s: float = 0.1,
                  cost_prior: tuple[float, ...] = CPU_PRIOR, chunk_tokens: int = 256,
+                 local_prefill_max_tokens: int = 1024,
                  tracer: RequestTracer | None = None) -> None:
         self.tiers = tiers
         self.client = client
@@ -99,6 +100,7 @@ class GlobalScheduler:
         self.metrics = MetricsRecorder(tiers)
         self.core = ClusterScheduler(tiers, policy_name, block_size, link_costs, mode=mode,
                                      cost_prior=cost_prior, chunk_tokens=chunk_tokens,
+                                     local_prefill_max_tokens=local_prefill_max_tokens,
                                      observer=self)
         self.policy = self.core.policy
         self.specs: dict[str, GenerationSpec] = {}

@@ -111,6 +111,7 @@ class SchedulerService:
                                     control_interval_s=self.cfg.scheduling.control_interval_s,
                                     cost_prior=cost_prior(device),
                                     chunk_tokens=p.prefill_chunk_size,
+                                    local_prefill_max_tokens=p.auto_local_prefill_max_tokens,
                                     tracer=make_tracer(self.cfg))
         mode = self.core.core.mode
         for i in infos:
