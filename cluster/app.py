@@ -279,6 +279,11 @@ def init_ray(address: str | None, *, num_cpus: int | None = None,
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if ray.is_initialized():
         return
+    if not address:
+        # Ray starts its workers at nice 15 (its raylet's worker_niceness); on a serving
+        # machine the workers are the work, so a Ray instance started here runs them at
+        # the same priority as any other process (a benchmark client, a peer server).
+        os.environ.setdefault("RAY_worker_niceness", "0")
     if direct_ingress_port is not None and not address:
         os.environ[_THROUGHPUT_ENV] = "1"
         os.environ[_DI_MIN] = str(direct_ingress_port)
