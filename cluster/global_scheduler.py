@@ -294,6 +294,12 @@ class GlobalScheduler:
         except WorkerGone:
             self.worker_failed(d.decode_worker_id)
             return
+        except Exception as e:  # the worker raised: end the request, never leave it hanging
+            log.exception("dispatch of %s to %s failed", d.req_id, d.decode_worker_id)
+            self.core.on_dispatch_result(d.req_id, False, time.time(), fatal=True,
+                                         reason=f"dispatch failed: {type(e).__name__}")
+            self._kick()
+            return
         self.core.on_dispatch_result(d.req_id, ans.ok, time.time(),
                                      num_free_blocks=ans.num_free_blocks,
                                      num_cached_blocks=ans.num_cached_blocks, reason=ans.reason,

@@ -150,8 +150,12 @@ class DecodeWorker:
                        state=RequestState.PREFILLING)
         if msg.prefill_worker_id is None:
             return await self._dispatch_local(spec, kreq)
-        blocks = await self._thread.call(self.engine.reserve, rid, len(prompt),
-                                         prompt_token_ids=prompt)
+        try:
+            blocks = await self._thread.call(self.engine.reserve, rid, len(prompt),
+                                             prompt_token_ids=prompt)
+        except ValueError as e:  # longer than the model's context or the whole pool
+            return DispatchAnswer(rid, False, self.engine.num_free_blocks,
+                                  reason=f"invalid: {e}", fatal=True)
         if blocks is None:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="no room")
         num_cached = await self._thread.call(self.engine.num_reserved_cached_blocks, rid)

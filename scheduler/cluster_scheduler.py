@@ -283,6 +283,12 @@ class ClusterScheduler:
             return Admission(SubmitOutcome.UNAVAILABLE, "no live prefill or decode worker")
         req = Request(nr.req_id, nr.tier, nr.arrival_time, nr.prompt_len, nr.max_new_tokens,
                       block_hashes=nr.block_hashes)
+        need = -(-(nr.prompt_len + 1) // self.block_size)
+        largest = max(w.info.num_kv_blocks for w in self._decode_slots())
+        if need > largest:
+            return Admission(SubmitOutcome.INVALID,
+                             f"the prompt needs {need} KV blocks; the largest decode worker "
+                             f"holds {largest}")
         if now < self._shed_until[nr.tier]:
             return self._reject(req, now, "shed", self._shed_until[nr.tier] - now)
         decision = self.policy.admit(req, now, self._load())

@@ -171,14 +171,14 @@ def test_auto_mode_prefills_short_prompts_locally_and_long_ones_remotely() -> No
 
 
 def test_peer_policy_stops_at_the_head_of_the_line() -> None:
-    cs = make_cluster(policy="vllm-fcfs", decode_blocks=16)
-    submit(cs, "big", 1, 400, now=0.0)  # needs 26 blocks: never fits
-    submit(cs, "small", 1, 10, now=0.1)
-    assert dispatch_all(cs, 0.2) == []  # FCFS: the head blocks the line
-    cs2 = make_cluster(decode_blocks=16)
-    submit(cs2, "big", 1, 400, now=0.0)
-    submit(cs2, "small", 1, 10, now=0.1)
-    assert dispatch_all(cs2, 0.2) == ["small"]  # tierserve lets it pass
+    for policy, expect in (("vllm-fcfs", []), ("tierserve", ["small"])):
+        cs = make_cluster(policy=policy, decode_blocks=64)
+        submit(cs, "occupant", 1, 600, now=0.0)  # 38 blocks
+        assert dispatch_all(cs, 0.0) == ["occupant"]
+        submit(cs, "big", 1, 420, now=0.1)  # 27 blocks: more than the 26 left
+        submit(cs, "small", 1, 10, now=0.2)
+        # FCFS: the head blocks the line; tierserve lets the small one pass.
+        assert dispatch_all(cs, 0.3) == expect, policy
 
 
 def test_an_abort_that_overtakes_its_submission_refuses_it() -> None:
@@ -198,3 +198,9 @@ def test_reports_drop_what_the_worker_no_longer_holds() -> None:
     cs.on_report(WorkerReport("p0", 256, 256, running=()), 0.2)  # gone from the worker
     assert cs.workers["p0"].prefill_left == {}
     assert cs.workers["p0"].backlog_s() == 0.0
+
+
+def test_a_prompt_no_worker_could_ever_hold_is_refused_at_once() -> None:
+    cs = make_cluster(decode_blocks=16)
+    adm = submit(cs, "huge", 1, 16 * 16, now=0.0)  # 257 tokens with its first output: 17 blocks
+    assert adm.outcome is SubmitOutcome.INVALID and "16" in adm.reason
