@@ -175,6 +175,8 @@ def test_peer_policy_stops_at_the_head_of_the_line() -> None:
         cs = make_cluster(policy=policy, decode_blocks=64)
         submit(cs, "occupant", 1, 600, now=0.0)  # 38 blocks
         assert dispatch_all(cs, 0.0) == ["occupant"]
+        cs.on_report(WorkerReport("p0", 256, 256, events=(
+            ReqEvent("occupant", WorkerEvent.PREFILL_DONE, 0.05),)), 0.05)
         submit(cs, "big", 1, 420, now=0.1)  # 27 blocks: more than the 26 left
         submit(cs, "small", 1, 10, now=0.2)
         # FCFS: the head blocks the line; tierserve lets the small one pass.
