@@ -39,6 +39,7 @@ from router.backend import (
     TokenDelta,
 )
 from scheduler.messages import (
+    RETRYABLE_ERRORS,
     AbortBatch,
     FinishBatch,
     FinishTiming,
@@ -57,7 +58,6 @@ from scheduler.messages import TokenDelta as WireDelta
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-RETRYABLE = frozenset({"worker_failed", "transfer_failed"})
 FINISH_FLUSH_S = 0.05
 RESUBSCRIBE_S = 0.5
 
@@ -290,7 +290,7 @@ class ClusterBackend:
                 self._finish(current, first_token_time, len(produced), "worker_failed", spec)
                 log.warning("request %s attempt %d failed: %s", spec.req_id, attempt, failure)
                 left = spec.sampling.max_tokens - len(produced)
-                if failure not in RETRYABLE:
+                if failure not in RETRYABLE_ERRORS:
                     raise BackendError(BackendErrorKind.INVALID
                                        if failure.startswith("invalid") else BackendErrorKind.FAILED,
                                        f"the request failed: {failure}")

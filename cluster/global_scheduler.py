@@ -47,6 +47,7 @@ from scheduler.cluster_scheduler import (
     PreemptOrder,
 )
 from scheduler.messages import (
+    RETRYABLE_ERRORS,
     Dispatch,
     DispatchAnswer,
     FinishBatch,
@@ -320,7 +321,7 @@ class GlobalScheduler:
     def _apply_abort(self, loop: asyncio.AbstractEventLoop, a: AbortOrder) -> None:
         if a.error is not None and a.router_id:
             self._pending_notices.setdefault(a.router_id, []).append(
-                Notice(a.req_id, a.error, retryable=a.error in RETRYABLE))
+                Notice(a.req_id, a.error, retryable=a.error in RETRYABLE_ERRORS))
         for wid in a.worker_ids:
             self._spawn(loop, self._abort_on(wid, a.req_id))
 
@@ -398,9 +399,6 @@ class GlobalScheduler:
                         for wid, w in self.core.workers.items()},
         }
 
-
-# Errors after which a router retries the request (recompute from the tokens it has).
-RETRYABLE = frozenset({"worker_failed", "transfer_failed"})
 
 _RUNNING = frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING})
 _PREEMPTED = frozenset({RequestState.PREEMPTING, RequestState.PREEMPTED})

@@ -330,6 +330,11 @@ class FinishBatch:
     items: tuple[FinishTiming, ...]
 
 
+# Errors after which a router retries the request on the live workers, as a recompute from
+# the tokens it has already streamed (the work was lost, not refused).
+RETRYABLE_ERRORS = frozenset({"worker_failed", "transfer_failed"})
+
+
 @message("note")
 @dataclass(frozen=True, slots=True)
 class Notice:
