@@ -23,7 +23,10 @@ Life of a request on one worker's scheduler (STYLE.md item 7):
    ``swap_in``, ``remove`` (finished, aborted, preempted by recompute).
 
 The composition rules themselves are the policy's (``compose_budget_step`` for the vLLM
-v1 style budget, ``compose_slo_step`` for tierserve's) and live here as functions.
+v1 style budget, ``compose_slo_step`` for tierserve's) and live here as functions. Given an
+``on_pick`` callback, the planner reports each selection it made (which prefills got a
+chunk, which decodes ran, which growers got a block, which swapped requests came back) as
+a :class:`~scheduler.queues.Pick`, with the candidates it passed over.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.preemption import PreemptMode, Victim, VictimView
-from scheduler.queues import Verdict, WaitQueue
+from scheduler.queues import OnPick, Pick, PickSite, Verdict, WaitQueue, recording, unconsidered
 from scheduler.request import Request, RequestState
 from scheduler.step_costs import StepCosts, StepShape
 from scheduler.topology import WorkerInfo
@@ -106,6 +109,14 @@ class StepView:
     taken: list[str] = field(default_factory=list)  # prefills offered and taken
     # Decode iterations the step runs (each decode grows by up to this many tokens).
     num_decode_steps: int = 1
+    # Selections made, when the caller asked for them (None: not recorded).
+    picks: list[Pick] | None = None
+
+    def record(self, site: PickSite, offers: list[tuple[Request, Verdict]],
+               rest: Sequence[Request] = ()) -> None:
+        if self.picks is not None:
+            self.picks.append(Pick(site, self.worker.worker_id, self.now, tuple(offers),
+                                   tuple(rest)))
 
 
 def decode_tokens(lr: LocalRequest, num_steps: int) -> int:
@@ -144,12 +155,16 @@ def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPol
         # fit; it and the less urgent ones sit this step out.
         order = policy.order([d.req for d in decodes if d.req_id in growth], view.now)
         stalled: set[str] = set()
+        offers = []
         for r in order:
             n = growth[r.req_id]
             if stalled or n > free:
                 stalled.add(r.req_id)
+                offers.append((r, Verdict.SKIP))
             else:
                 free -= n
+                offers.append((r, Verdict.TAKE))
+        view.record(PickSite.GROW, offers)
         decodes = [d for d in decodes if d.req_id not in stalled]
     else:
         free -= sum(growth.values())
@@ -160,12 +175,20 @@ def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) ->
     out: list[str] = []
     if not view.swapped or room <= 0:
         return out, free
-    for r in policy.order([s.req for s in view.swapped], view.now):
+    order = policy.order([s.req for s in view.swapped], view.now)
+    offers = []
+    for r in order:
         lr = view.local[r.req_id]
-        if lr.num_blocks > free or len(out) >= room:
+        if len(out) >= room:
+            offers.append((r, Verdict.STOP))
+            break
+        if lr.num_blocks > free:
+            offers.append((r, Verdict.SKIP))
             break
         out.append(r.req_id)
+        offers.append((r, Verdict.TAKE))
         free -= lr.num_blocks
+    view.record(PickSite.SWAP_IN, offers, order[len(offers):])
     return out, free
 
 
@@ -209,7 +232,14 @@ def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base:
         view.taken.append(req.req_id)
         return Verdict.TAKE
 
-    view.queue.take(view.now, accept)
+    if view.picks is None:
+        view.queue.take(view.now, accept)
+    else:
+        candidates = view.queue.requests()
+        offers: list[tuple[Request, Verdict]] = []
+        view.queue.take(view.now, recording(accept, offers))
+        if candidates:
+            view.record(PickSite.PREFILL, offers, unconsidered(candidates, offers))
     return chunks
 
 
@@ -233,6 +263,9 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
     ``max_num_batched_tokens`` (started prefills first: the peers' queues key on it)."""
     budget = token_budget or view.max_num_batched_tokens
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
+    if decodes:
+        view.record(PickSite.DECODE, [(d.req, Verdict.TAKE) for d in decodes[: view.max_num_seqs]],
+                    [d.req for d in decodes[view.max_num_seqs:]])
     decodes = decodes[: view.max_num_seqs]
     budget -= len(decodes)
     room = view.max_num_seqs - len(decodes)
@@ -267,18 +300,22 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     decodes.sort(key=lambda d: ordered[d.req_id])
     batch: list[LocalRequest] = []
     tight: float | None = None
-    skipped_room = 0
+    offers: list[tuple[Request, Verdict]] = []
     for d in decodes:
         if len(batch) >= view.max_num_seqs:
+            offers.append((d.req, Verdict.STOP))
             break
         t = tpot_of(d.req)
         cand_tight = tight if t is None else (t if tight is None else min(tight, t))
         if cand_tight is not None and batch:
             if view.costs.step_s(_shape([*batch, d])) > tpot_margin * cand_tight:
-                skipped_room += 1
+                offers.append((d.req, Verdict.SKIP))
                 continue  # it waits a step; the tighter tiers keep their pace
         batch.append(d)
+        offers.append((d.req, Verdict.TAKE))
         tight = cand_tight
+    if decodes:
+        view.record(PickSite.DECODE, offers, [d.req for d in decodes[len(offers):]])
     base = _shape(batch)
     seconds = step_cap_s
     if tight is not None:
@@ -302,7 +339,10 @@ class WorkerScheduler:
 
     def __init__(self, worker: WorkerInfo, policy: SchedulingPolicy, costs: StepCosts, *,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_tokens: int, num_decode_steps: int = 1) -> None:
+                 chunk_tokens: int, num_decode_steps: int = 1,
+                 on_pick: OnPick | None = None) -> None:
+        """``on_pick``: called with each selection a plan makes (who was picked, who was
+        passed over), during ``plan``; None records nothing."""
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
         self.worker = worker
@@ -313,6 +353,7 @@ class WorkerScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_tokens = chunk_tokens
         self.num_decode_steps = num_decode_steps
+        self.on_pick = on_pick
         self.queue: WaitQueue = policy.make_queue()
         self.local: dict[str, LocalRequest] = {}
         self.decoding: dict[str, LocalRequest] = {}
@@ -371,8 +412,12 @@ class WorkerScheduler:
         view = StepView(now, self.worker, list(self.decoding.values()), self.queue, self.local,
                         list(self.swapped.values()), num_free_blocks, self.block_size,
                         self.costs, self.max_num_seqs, self.max_num_batched_tokens,
-                        self.chunk_tokens, num_decode_steps=self.num_decode_steps)
+                        self.chunk_tokens, num_decode_steps=self.num_decode_steps,
+                        picks=None if self.on_pick is None else [])
         plan = self.policy.compose_step(view)
+        if view.picks:
+            for pick in view.picks:
+                self.on_pick(pick)  # type: ignore[misc]
         for rid, n in plan.chunks:
             self._inflight[rid] = n
         return plan

@@ -178,3 +178,19 @@ def test_peer_policy_stops_at_the_head_of_the_line() -> None:
     submit(cs2, "big", 1, 400, now=0.0)
     submit(cs2, "small", 1, 10, now=0.1)
     assert dispatch_all(cs2, 0.2) == ["small"]  # tierserve lets it pass
+
+
+def test_on_pick_reports_the_dispatch_order_and_who_found_no_room() -> None:
+    picks = []
+    cs = ClusterScheduler(cpu_tiers(), "tierserve", BS, make_costs(), on_pick=picks.append)
+    cs.add_worker(WorkerInfo("p0", WorkerRole.PREFILL, "n", "cpu", "A", 256), 256,
+                  can_prefill=True, can_decode=False)
+    cs.add_worker(WorkerInfo("d0", WorkerRole.DECODE, "n", "cpu", "A", 16), 16,
+                  can_prefill=False, can_decode=True)
+    submit(cs, "big", 1, 400, now=0.0)  # 26 blocks: never fits
+    submit(cs, "small", 1, 10, now=0.1)
+    plan = cs.plan(0.2)
+    assert [d.req_id for d in plan.dispatches] == ["small"]
+    (pick,) = picks
+    assert pick.site.value == "dispatch" and pick.now == 0.2 and pick.rest == ()
+    assert [(r.req_id, v.value) for r, v in pick.offers] == [("big", "skip"), ("small", "take")]

@@ -6,6 +6,7 @@ import pytest
 
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext
+from scheduler.queues import Pick, PickSite, Verdict
 from scheduler.request import Request, RequestState
 from scheduler.step_costs import StepCosts
 from scheduler.step_planner import WorkerScheduler
@@ -80,3 +81,27 @@ def test_growers_of_one_tier_get_blocks_in_policy_order_and_the_rest_sit_out() -
     ws.add_decode(decoding("early", 1, context=8), 7, 2)  # its TPOT deadline comes first
     plan = ws.plan(0.0, num_free_blocks=1)
     assert plan.preempt == () and plan.decodes == ("early",)
+
+
+def test_on_pick_reports_chunks_decodes_and_growers_with_who_was_passed_over() -> None:
+    picks: list[Pick] = []
+    ws = make_worker_scheduler()
+    ws.on_pick = picks.append
+    ws.add_decode(decoding("d", 1, context=8), 8, 2)  # its next token needs a third block
+    for rid, tier in (("p1", 1), ("p0", 0)):
+        ws.add_prefill(make_request(rid, tier=tier, prompt=40), 40, 0.0)
+    plan = ws.plan(0.0, num_free_blocks=12)  # one for the grower, 11 for p0, none for p1
+    sites = {p.site: p for p in picks}
+    assert set(sites) == {PickSite.DECODE, PickSite.PREFILL}  # no grower went without
+    assert plan.decodes == ("d",)
+    offers = [(r.req_id, v) for r, v in sites[PickSite.PREFILL].offers]
+    assert offers[0] == ("p0", Verdict.TAKE) and offers[1] == ("p1", Verdict.SKIP)
+    picks.clear()
+    ws2 = make_worker_scheduler()
+    ws2.on_pick = picks.append
+    ws2.add_decode(decoding("late", 1, context=8, first_token_time=0.5), 8, 2)
+    ws2.add_decode(decoding("early", 1, context=8), 8, 2)
+    ws2.plan(0.0, num_free_blocks=1)  # two growers of one tier, one block, no victim
+    grow = next(p for p in picks if p.site is PickSite.GROW)
+    assert [(r.req_id, v) for r, v in grow.offers] == [("early", Verdict.TAKE),
+                                                       ("late", Verdict.SKIP)]
