@@ -10,7 +10,7 @@ violation.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.deadlines import ServiceEstimate, last_progress_time, slack_s
@@ -104,13 +104,21 @@ def check_anti_thrash(records: Iterable[DecisionRecord], window_s: float) -> lis
     return out
 
 
-def check_starvation(reqs: Iterable[Request], now: float, tiers: TierConfig) -> list[Violation]:
-    """No waiting request has gone longer than its tier's bound without progress."""
+def check_starvation(reqs: Iterable[Request], now: float, tiers: TierConfig,
+                     submitted: Mapping[str, float] | None = None) -> list[Violation]:
+    """No waiting request has gone longer than its tier's bound without progress.
+
+    ``submitted``: per request id, when it was submitted, where that is later than its
+    arrival (a router's retry keeps the arrival time, and so the deadline, of the
+    request it retries); its wait counts from then."""
     out = []
     for r in reqs:
         if r.state not in _WAITING:
             continue
-        waited = now - last_progress_time(r)
+        since = last_progress_time(r)
+        if submitted is not None:
+            since = max(since, submitted.get(r.req_id, since))
+        waited = now - since
         bound = tiers[r.tier].max_starvation_s
         if waited > bound:
             out.append(Violation(Invariant.STARVATION,

@@ -60,6 +60,8 @@ def test_starvation_bound_per_tier() -> None:
     assert check_starvation([waiting], 4.0, tiers) == []
     v = check_starvation([waiting], 6.0, tiers)
     assert count_by_invariant(v)[Invariant.STARVATION.value] == 1
+    # A retry keeps its arrival time; its wait counts from its submission.
+    assert check_starvation([waiting], 6.0, tiers, submitted={"w": 2.0}) == []
 
 
 def _pick(offers, rest=(), now=1.0):
