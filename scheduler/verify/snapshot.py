@@ -54,8 +54,8 @@ _attr_cache: dict[type, tuple[str, ...]] = {}
 _REF = object()  # marks a back-reference to an object already walked
 # Exact types whose values stand for themselves in a key (floats are rounded instead).
 _PLAIN = frozenset({type(None), bool, int, str, bytes})
-# Exact types a copy shares as they are (immutable).
-_SHARED = _PLAIN | {float}
+# Exact types a copy shares as they are (immutable); grows with the types met.
+_SHARED: set[type] = set(_PLAIN | {float})
 _walked_cache: dict[type, tuple[str, ...]] = {}
 
 
@@ -90,7 +90,13 @@ def _kept(d: dict[str, object], ids: set[str]) -> tuple:
     return tuple(sorted((k, v) for k, v in d.items() if k in ids))
 
 
+_EMPTY_SLACK = ((), (), (), (), (), (), ())
+
+
 def _canon_slack(q: SlackQueue) -> tuple[tuple, tuple]:
+    if not (q.live or q._key or q._starving_seq or q._starving or any(q._feasible)
+            or any(q._hopeless)):
+        return _EMPTY_SLACK, (q.policy,)
     feasible = [_live(h, 4) for h in q._feasible]
     hopeless = [_live(h, 2) for h in q._hopeless]
     starving = _live(q._starving, 2)
@@ -208,12 +214,20 @@ def fingerprint(obj: object, skip: frozenset[int]) -> tuple:
                 tv = type(v)
                 if tv in plain:
                     append(v)
-                elif tv is float:
-                    append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
-                elif id(v) in skip:
-                    append("<cfg>")
                 else:
-                    walk(v)
+                    kv = kinds.get(tv)
+                    if kv == _K_FLOAT:
+                        append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
+                    elif kv == _K_ATOM:
+                        append(v)
+                    elif kv == _K_REQ:
+                        append(v.req_id)  # type: ignore[attr-defined]
+                    elif kv == _K_CFG:
+                        pass
+                    elif id(v) in skip:
+                        append("<cfg>")
+                    else:
+                        walk(v)
         elif k == _K_MAP:
             append(len(x))  # type: ignore[arg-type]
             for key, v in x.items():  # type: ignore[attr-defined]
@@ -224,12 +238,20 @@ def fingerprint(obj: object, skip: frozenset[int]) -> tuple:
                 tv = type(v)
                 if tv in plain:
                     append(v)
-                elif tv is float:
-                    append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
-                elif id(v) in skip:
-                    append("<cfg>")
                 else:
-                    walk(v)
+                    kv = kinds.get(tv)
+                    if kv == _K_FLOAT:
+                        append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
+                    elif kv == _K_ATOM:
+                        append(v)
+                    elif kv == _K_REQ:
+                        append(v.req_id)  # type: ignore[attr-defined]
+                    elif kv == _K_CFG:
+                        pass
+                    elif id(v) in skip:
+                        append("<cfg>")
+                    else:
+                        walk(v)
         elif k == _K_REQ:
             append(x.req_id)  # type: ignore[attr-defined]
         elif k == _K_OBJ or k == _K_CANON:
@@ -258,28 +280,44 @@ def fingerprint(obj: object, skip: frozenset[int]) -> tuple:
                     tv = type(v)
                     if tv in plain:
                         append(v)
-                    elif tv is float:
-                        append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
-                    elif id(v) in skip:
-                        append("<cfg>")
                     else:
-                        walk(v)
+                        kv = kinds.get(tv)
+                        if kv == _K_FLOAT:
+                            append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
+                        elif kv == _K_ATOM:
+                            append(v)
+                        elif kv == _K_REQ:
+                            append(v.req_id)  # type: ignore[attr-defined]
+                        elif kv == _K_CFG:
+                            pass
+                        elif id(v) in skip:
+                            append("<cfg>")
+                        else:
+                            walk(v)
             names = _walked_cache.get(t)
             if names is None:
                 names = _walked_slots(t)
             for name in names:
                 v = getattr(x, name, _REF)
+                if v is _REF:
+                    continue
                 tv = type(v)
                 if tv in plain:
                     append(v)
-                elif tv is float:
-                    append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
-                elif v is _REF:
-                    continue
-                elif id(v) in skip:
-                    append("<cfg>")
                 else:
-                    walk(v)
+                    kv = kinds.get(tv)
+                    if kv == _K_FLOAT:
+                        append(round(v, 9) if isfinite(v) else v)  # type: ignore[arg-type]
+                    elif kv == _K_ATOM:
+                        append(v)
+                    elif kv == _K_REQ:
+                        append(v.req_id)  # type: ignore[attr-defined]
+                    elif kv == _K_CFG:
+                        pass
+                    elif id(v) in skip:
+                        append("<cfg>")
+                    else:
+                        walk(v)
         elif k == _K_SET:
             append(len(x))  # type: ignore[arg-type]
             out.extend(sorted(x, key=repr))  # type: ignore[call-overload]
@@ -315,6 +353,8 @@ def _copy_kind(t: type) -> int:
         else:
             k = _C_OBJ
         _COPY_KIND[t] = k
+        if k == _C_SHARE:
+            _SHARED.add(t)
     return k
 
 
