@@ -5,15 +5,20 @@ checkers' public ``policy_factory`` / ``account_factory`` parameters; a checker
 that finds no counterexample with them in place is not checking anything.
 
 - ``thrash``: the tierserve policy with the anti-thrash window switched off in
-  its victim choice (a request may be preempted again at once).
+  its victim choice (a request may be preempted again at once). A preempted
+  request needs a step to come back, so on the default 0.5 s clock it shows
+  where requests crowd one worker: ``--workers 1 --arrival-ticks 2 --failures 0
+  --stops 0`` (and in the trajectories' 50 ms clock).
 - ``overbook``: a block account that never says no: ``allocate`` grants past
   the budget and the account always shows a free block, so the schedulers,
   which only ever ask for blocks they were told are free, keep placing work
-  (KV in use exceeds the budget).
+  (KV in use exceeds the budget); it shows once two requests share a worker
+  (``--requests 2 --workers 1``, or the trajectories).
 - ``inversion``: the tierserve policy with the slack ordering as it was before
   DESIGN §5's rule: every hopeless request behind every feasible one
   (``feasible + hopeless``), in the global queue, the workers' queues and the
-  decode batch alike (the tier-order invariant must fail).
+  decode batch alike (the tier-order invariant must fail; the default scope
+  shows it).
 """
 
 from __future__ import annotations
