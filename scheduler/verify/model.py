@@ -573,7 +573,8 @@ class World:
         that waited for it, and report."""
         ws, acct = self.ws[w], self.accounts[w]
         events: list[ReqEvent] = []
-        first = {rid for rid, _ in plan.chunks if ws.local[rid].req.first_token_time is None}
+        first = {rid for rid, _ in plan.chunks
+                 if (lr := ws.local.get(rid)) is not None and lr.req.first_token_time is None}
         blocks = {rid: acct.blocks_of(rid) for rid in (*(c[0] for c in plan.chunks),
                                                        *plan.decodes)}
         done = ws.commit(plan, end, seconds=None, blocks=blocks)
