@@ -16,7 +16,8 @@ Life of a request here (STYLE.md item 7):
    worker and a decode worker, or, in ``aggregated``/``auto`` mode, a prefill on the
    decode worker itself) and its decode blocks, within the policy's dispatch horizon
    (how much queued prefill work a worker may hold). No decode room: the policy may
-   preempt lower tiers there (``PreemptOrder``) and the request waits.
+   preempt lower tiers there (``PreemptOrder``) and the request waits. An ``on_pick``
+   callback hears each plan's selection: whom the queue offered, in order, and the answer.
 3. ``on_dispatch_result``: the decode worker reserved the blocks (QUEUED -> PREFILLING)
    or did not (back in the queue).
 4. ``on_report``: the workers' events move the request (TRANSFERRING, DECODING,
@@ -43,7 +44,7 @@ from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext, SchedulingPolicy
 from scheduler.preemption import PreemptMode, VictimView
 from scheduler.prefix_index import BlockRemoved, BlockStored, PrefixMirror
-from scheduler.queues import Verdict
+from scheduler.queues import OnPick, Pick, PickSite, Verdict, recording, unconsidered
 from scheduler.request import (
     Decision,
     DecisionRecord,
@@ -213,7 +214,10 @@ class ClusterScheduler:
                  link_costs: LinkCosts, *, mode: PoolMode = PoolMode.DISAGGREGATED,
                  cost_prior: Sequence[float] = CPU_PRIOR, chunk_tokens: int = 256,
                  local_prefill_max_tokens: int = 1024,
-                 observer: SchedulerObserver | None = None) -> None:
+                 observer: SchedulerObserver | None = None,
+                 on_pick: OnPick | None = None) -> None:
+        """``on_pick``: called with each ``plan``'s dispatch selection (who got a worker,
+        who was passed over) before the plan is returned; None records nothing."""
         self.tiers = tiers
         self.block_size = block_size
         self.mode = mode
@@ -221,6 +225,7 @@ class ClusterScheduler:
         self.chunk_tokens = chunk_tokens
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.observer = observer
+        self.on_pick = on_pick
         self.workers: dict[str, WorkerSlot] = {}
         self.est = ClusterEstimate(self, self.new_costs())
         self.policy: SchedulingPolicy = (
@@ -351,7 +356,14 @@ class ClusterScheduler:
                 dispatches.append(order)
                 return Verdict.TAKE
 
-            self.queue.take(now, accept)
+            if self.on_pick is None:
+                self.queue.take(now, accept)
+            else:
+                candidates = self.queue.requests()
+                offers: list[tuple[Request, Verdict]] = []
+                self.queue.take(now, recording(accept, offers))
+                self.on_pick(Pick(PickSite.DISPATCH, "", now, tuple(offers),
+                                  unconsidered(candidates, offers)))
         aborts, self._aborts = self._aborts, []
         preempts, self._preempts = self._preempts, []
         return Plan(tuple(dispatches), tuple(preempts), tuple(aborts))

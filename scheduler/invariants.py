@@ -1,19 +1,22 @@
 """The hard invariants (DESIGN §7) as pure checks that return violations as values.
 
 Each check reads a snapshot (block accounts, decision records, shares,
-requests) and returns a list of :class:`Violation`; an empty list means the
-invariant holds. The simulator runs them as it goes, and ``tierserve check``
-runs them over every explored state. Nothing here raises on a violation.
+requests, a selection of work) and returns a list of :class:`Violation`; an empty
+list means the invariant holds. The simulator runs them as it goes, and
+``tierserve check`` runs them over every explored state. Nothing here raises on a
+violation.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.deadlines import last_progress_time
+from scheduler.deadlines import ServiceEstimate, last_progress_time, slack_s
 from scheduler.kv import KVBlockAccount
+from scheduler.ordering import STARVATION_GUARD_FRACTION
+from scheduler.queues import Pick, Verdict
 from scheduler.request import ALLOWED_TRANSITIONS, DecisionRecord, Request, RequestState
 from scheduler.tiers import TierConfig
 
@@ -24,6 +27,7 @@ class Invariant(enum.Enum):
     SHARES_SUM = "shares_sum"
     ANTI_THRASH = "anti_thrash"
     STARVATION = "starvation"
+    TIER_INVERSION = "tier_inversion"
 
 
 HARD_INVARIANTS = tuple(Invariant)
@@ -100,13 +104,21 @@ def check_anti_thrash(records: Iterable[DecisionRecord], window_s: float) -> lis
     return out
 
 
-def check_starvation(reqs: Iterable[Request], now: float, tiers: TierConfig) -> list[Violation]:
-    """No waiting request has gone longer than its tier's bound without progress."""
+def check_starvation(reqs: Iterable[Request], now: float, tiers: TierConfig,
+                     submitted: Mapping[str, float] | None = None) -> list[Violation]:
+    """No waiting request has gone longer than its tier's bound without progress.
+
+    ``submitted``: per request id, when it was submitted, where that is later than its
+    arrival (a router's retry keeps the arrival time, and so the deadline, of the
+    request it retries); its wait counts from then."""
     out = []
     for r in reqs:
         if r.state not in _WAITING:
             continue
-        waited = now - last_progress_time(r)
+        since = last_progress_time(r)
+        if submitted is not None:
+            since = max(since, submitted.get(r.req_id, since))
+        waited = now - since
         bound = tiers[r.tier].max_starvation_s
         if waited > bound:
             out.append(Violation(Invariant.STARVATION,
@@ -131,6 +143,77 @@ def check_starvation_history(reqs: Iterable[Request], tiers: TierConfig,
             out.append(Violation(Invariant.STARVATION,
                                  f"{r.req_id} (tier {r.tier}) still waiting after "
                                  f"{end_time - since:.3f}s > {bound}s"))
+    return out
+
+
+# Slack within this of zero is not judged either way (float noise at the boundary).
+SLACK_TOLERANCE_S = 1e-9
+
+
+def is_starving(req: Request, now: float, tiers: TierConfig) -> bool:
+    """The starvation guard's test (:mod:`scheduler.ordering`): no state change for more
+    than ``STARVATION_GUARD_FRACTION`` of the tier's ``max_starvation_s``."""
+    return now - last_progress_time(req) > STARVATION_GUARD_FRACTION * tiers[req.tier].max_starvation_s
+
+
+def check_tier_order(pick: Pick, tiers: TierConfig, est: ServiceEstimate) -> list[Violation]:
+    """No tier inversion in one selection of work (DESIGN §5).
+
+    A pick (:class:`scheduler.queues.Pick`) is one decision that chose work from one set
+    of candidates: a global dispatch in ``ClusterScheduler.plan`` (its wait queue), or in a
+    worker's ``StepPlan`` the prefill chunks (its wait queue), the decode batch, the growers
+    that get a block under KV pressure, or the swap-ins (its running / swapped requests).
+    At the pick's time ``now``, with ``slack = scheduler.deadlines.slack_s(req, now, tiers,
+    est)`` (``est`` the policy's estimate), a candidate is *hopeless* when slack < 0 and
+    *feasible* when slack >= 0 (within ``SLACK_TOLERANCE_S`` of 0: neither).
+
+    The invariant: for every candidate ``f`` the pick took (``Verdict.TAKE``) that is
+    feasible, every hopeless candidate ``h`` of a more urgent tier (``h.tier < f.tier``)
+    was considered before ``f`` was taken. Considered means offered to the decision,
+    which then took it or answered that it had no room for it now (SKIP: no decode
+    blocks, no KV block to grow into, no room in the step's time or sequence budget;
+    STOP: the step was full). So a violation is exactly: ``h`` was waiting in the same
+    queue, could have been picked instead (nothing had said it had no room), and was
+    passed over, ordered behind less urgent work that still had slack. Only its own
+    decision can say whether ``h`` had room, so a request the order puts behind ``f``
+    counts as passed over whatever its size.
+
+    The one exception is the starvation guard: ``f`` may be taken first when it is
+    starving (:func:`is_starving`: no state change for more than
+    ``STARVATION_GUARD_FRACTION`` = half its tier's ``max_starvation_s``). That bypass is
+    bounded: a request becomes starving only after half its bound without a state
+    change, the guard serves starving requests longest-waiting first, and the
+    bounded-starvation invariant caps its wait at the whole bound; once it changes state
+    (dispatched, prefilled, resumed) it stops being starving. A request that stays in one
+    state while it progresses (a long prefill in chunks, a decode) keeps the exemption for
+    that stretch, which its remaining work bounds.
+    """
+    now = pick.now
+    slack: dict[str, float] = {}
+    hopeless_tiers: dict[str, int] = {}
+    candidates = [r for r, _ in pick.offers] + list(pick.rest)
+    for r in candidates:
+        s = slack_s(r, now, tiers, est)
+        slack[r.req_id] = s
+        if s < -SLACK_TOLERANCE_S:
+            hopeless_tiers[r.req_id] = r.tier
+    if not hopeless_tiers:
+        return []
+    out = []
+    waiting = dict(hopeless_tiers)  # hopeless candidates not yet considered
+    for r, verdict in pick.offers:
+        waiting.pop(r.req_id, None)
+        if verdict is not Verdict.TAKE or slack[r.req_id] < SLACK_TOLERANCE_S or not waiting:
+            continue
+        if min(waiting.values()) >= r.tier or is_starving(r, now, tiers):
+            continue
+        h = next(c for c in candidates if waiting.get(c.req_id, r.tier) < r.tier)
+        where = pick.worker_id or "global"
+        out.append(Violation(Invariant.TIER_INVERSION,
+                             f"{pick.site.value}@{where} t={now:.3f}: {r.req_id} (tier {r.tier}, "
+                             f"slack {slack[r.req_id]:.3f}s) taken before {h.req_id} "
+                             f"(tier {h.tier}, slack {slack[h.req_id]:.3f}s)"))
+        break  # one violation per pick is enough to explain it
     return out
 
 

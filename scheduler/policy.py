@@ -85,6 +85,9 @@ class SchedulingPolicy:
 
     name = "base"
     respects_anti_thrash = True
+    # Whether every selection keeps the tier order (DESIGN §5: a hopeless request is never
+    # ordered behind a less urgent tier's feasible work; scheduler.invariants.check_tier_order).
+    keeps_tier_order = False
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -209,6 +212,11 @@ class TierservePolicy(SchedulingPolicy):
 
     def order(self, reqs: Sequence[Request], now: float) -> list[Request]:
         return self.ordering.order(reqs, now)
+
+    @property  # type: ignore[override]
+    def keeps_tier_order(self) -> bool:
+        """Only the slack ordering promises it (utility and WFQ rank hopeless work low)."""
+        return isinstance(self.ordering, SlackPolicy)
 
     def make_queue(self) -> WaitQueue:
         if isinstance(self.ordering, SlackPolicy):

@@ -4,7 +4,9 @@ A worker's step asks its queue ``take(now, accept)``: the queue offers requests
 in policy order, ``accept`` answers TAKE (it runs this step; removed from the
 queue), SKIP (it cannot run now, e.g. no decode memory; it stays and does not
 block the rest) or STOP (the step is full). Only the requests offered are
-touched, so a step costs O(offered x log n), not a sort of the whole queue:
+touched, so a step costs O(offered x log n), not a sort of the whole queue.
+A caller that wants to know who was passed over records a :class:`Pick`
+(``recording`` wraps ``accept``). The queues:
 
 - :class:`HeapQueue`: a static key per request (FCFS, priority, prefix match),
   optionally a second key used while the queue is longer than a threshold.
@@ -21,6 +23,7 @@ import enum
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from scheduler.ordering import OrderingPolicy, SlackPolicy, hopeless_key
 from scheduler.request import Request
@@ -34,6 +37,53 @@ class Verdict(enum.Enum):
 
 Accept = Callable[[Request], Verdict]
 MAX_SKIPS = 16  # offered-but-skipped requests per take before giving up the step
+
+
+class PickSite(enum.Enum):
+    """Where a selection of work happens."""
+
+    DISPATCH = "dispatch"  # the global queue: which requests get a worker and decode blocks
+    PREFILL = "prefill"  # a worker's step: which prefills get a chunk
+    DECODE = "decode"  # a worker's step: which running requests decode
+    GROW = "grow"  # a worker's step under KV pressure: which growing decodes get a block
+    SWAP_IN = "swap_in"  # a worker's step: which swapped-out requests come back
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """One selection over one set of candidates, for whoever asks who was passed over
+    (traces, the model checker's tier-order invariant).
+
+    ``offers``: the candidates in the order the selection considered them, each with its
+    answer (TAKE; SKIP: no room for it now; STOP: the step was full). ``rest``: the
+    candidates it never considered. The requests are live objects: read them when the
+    pick is reported, before the plan is applied."""
+
+    site: PickSite
+    worker_id: str  # "" for the global dispatch
+    now: float
+    offers: tuple[tuple[Request, Verdict], ...]
+    rest: tuple[Request, ...] = ()
+
+
+OnPick = Callable[[Pick], None]
+
+
+def recording(accept: Accept, offers: list[tuple[Request, Verdict]]) -> Accept:
+    """``accept``, appending each offer and its answer to ``offers``."""
+
+    def rec(req: Request) -> Verdict:
+        v = accept(req)
+        offers.append((req, v))
+        return v
+
+    return rec
+
+
+def unconsidered(candidates: list[Request], offers: list[tuple[Request, Verdict]]
+                 ) -> tuple[Request, ...]:
+    seen = {r.req_id for r, _ in offers}
+    return tuple(r for r in candidates if r.req_id not in seen)
 
 
 class WaitQueue:

@@ -12,7 +12,10 @@ Life of a request on one worker's scheduler (STYLE.md item 7):
    here joins the worker's wait queue, ordered by the policy (``policy.make_queue()``).
 2. ``plan``: the policy composes the step (``policy.compose_step``): the decode batch, the
    prefill chunks in policy order within the step's token and time budget, victims when
-   decode growth finds no block, swapped requests that can come back.
+   decode growth finds no block, swapped requests that can come back. A worker built with
+   ``num_decode_steps`` n > 1 runs n decode iterations per planned step (multi-step
+   decoding, as vLLM's ``--num-scheduler-steps``): each decode grows by up to n tokens, and
+   the blocks for all of them are found before the step.
 3. ``commit``: after the engine ran the plan, chunks advance; a finished prefill leaves
    (a prefill-only worker) or starts decoding here (its first token is out); the measured
    step time trains the worker's :class:`~scheduler.step_costs.StepCosts`.
@@ -20,7 +23,10 @@ Life of a request on one worker's scheduler (STYLE.md item 7):
    ``swap_in``, ``remove`` (finished, aborted, preempted by recompute).
 
 The composition rules themselves are the policy's (``compose_budget_step`` for the vLLM
-v1 style budget, ``compose_slo_step`` for tierserve's) and live here as functions.
+v1 style budget, ``compose_slo_step`` for tierserve's) and live here as functions. Given an
+``on_pick`` callback, the planner reports each selection it made (which prefills got a
+chunk, which decodes ran, which growers got a block, which swapped requests came back) as
+a :class:`~scheduler.queues.Pick`, with the candidates it passed over.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.preemption import PreemptionPlan, PreemptMode, Victim, VictimView
-from scheduler.queues import Verdict, WaitQueue
+from scheduler.queues import OnPick, Pick, PickSite, Verdict, WaitQueue, recording, unconsidered
 from scheduler.request import Request, RequestState
 from scheduler.step_costs import StepCosts, StepShape
 from scheduler.topology import WorkerInfo
@@ -116,38 +122,67 @@ class StepView:
     max_num_batched_tokens: int
     chunk_tokens: int
     taken: list[str] = field(default_factory=list)  # prefills offered and taken
+    # Decode iterations the step runs (each decode grows by up to this many tokens).
+    num_decode_steps: int = 1
+    # Selections made, when the caller asked for them (None: not recorded).
+    picks: list[Pick] | None = None
+
+    def record(self, site: PickSite, offers: list[tuple[Request, Verdict]],
+               rest: Sequence[Request] = ()) -> None:
+        if self.picks is not None:
+            self.picks.append(Pick(site, self.worker.worker_id, self.now, tuple(offers),
+                                   tuple(rest)))
 
 
-def _growers(decodes: Sequence[LocalRequest], bs: int) -> list[LocalRequest]:
-    """Decodes whose next token starts a new block."""
-    return [d for d in decodes if d.num_computed + 1 > d.num_blocks * bs]
+def decode_tokens(lr: LocalRequest, num_steps: int) -> int:
+    """Tokens a decode produces in a step of ``num_steps`` iterations (fewer at its end)."""
+    return max(1, min(num_steps, lr.req.max_new_tokens - lr.req.num_output_tokens))
+
+
+def _growth(decodes: Sequence[LocalRequest], bs: int, num_steps: int) -> dict[str, int]:
+    """Decodes whose next tokens start new blocks, and how many blocks each needs."""
+    out: dict[str, int] = {}
+    for d in decodes:
+        need = -(-(d.num_computed + decode_tokens(d, num_steps)) // bs) - d.num_blocks
+        if need > 0:
+            out[d.req_id] = need
+    return out
 
 
 def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPolicy
               ) -> tuple[list[LocalRequest], list[Victim], int]:
     """Decodes that can run, victims the policy evicts for them, blocks left after."""
-    bs = view.block_size
-    growers = _growers(decodes, bs)
+    growth = _growth(decodes, view.block_size, view.num_decode_steps)
     free = view.num_free_blocks
     victims: list[Victim] = []
-    if len(growers) > free:
+    if sum(growth.values()) > free:
         cands = [VictimView(d.req, view.worker, d.num_blocks) for d in decodes]
-        top = min(g.req.tier for g in growers)
-        plan = policy.on_kv_pressure(len(growers) - free, cands, view.now, top)
+        top = min(d.req.tier for d in decodes if d.req_id in growth)
+        plan = policy.on_kv_pressure(sum(growth.values()) - free, cands, view.now, top)
         victims = list(plan.victims)
         gone = {v.req_id for v in victims}
         freed = sum(v.num_blocks for v in victims)
         decodes = [d for d in decodes if d.req_id not in gone]
-        growers = [g for g in growers if g.req_id not in gone]
+        growth = {rid: n for rid, n in growth.items() if rid not in gone}
         free += freed
-    if len(growers) > free:
-        # No victim allowed: the least urgent growers sit this step out.
-        order = policy.order([g.req for g in growers], view.now)
-        stalled = {r.req_id for r in order[free:]}
+    if sum(growth.values()) > free:
+        # No victim allowed: growers get their blocks in policy order until one does not
+        # fit; it and the less urgent ones sit this step out.
+        order = policy.order([d.req for d in decodes if d.req_id in growth], view.now)
+        stalled: set[str] = set()
+        offers = []
+        for r in order:
+            n = growth[r.req_id]
+            if stalled or n > free:
+                stalled.add(r.req_id)
+                offers.append((r, Verdict.SKIP))
+            else:
+                free -= n
+                offers.append((r, Verdict.TAKE))
+        view.record(PickSite.GROW, offers)
         decodes = [d for d in decodes if d.req_id not in stalled]
-        free = 0
     else:
-        free -= len(growers)
+        free -= sum(growth.values())
     return decodes, victims, free
 
 
@@ -155,12 +190,20 @@ def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) ->
     out: list[str] = []
     if not view.swapped or room <= 0:
         return out, free
-    for r in policy.order([s.req for s in view.swapped], view.now):
+    order = policy.order([s.req for s in view.swapped], view.now)
+    offers = []
+    for r in order:
         lr = view.local[r.req_id]
-        if lr.num_blocks > free or len(out) >= room:
+        if len(out) >= room:
+            offers.append((r, Verdict.STOP))
+            break
+        if lr.num_blocks > free:
+            offers.append((r, Verdict.SKIP))
             break
         out.append(r.req_id)
+        offers.append((r, Verdict.TAKE))
         free -= lr.num_blocks
+    view.record(PickSite.SWAP_IN, offers, order[len(offers):])
     return out, free
 
 
@@ -212,7 +255,14 @@ def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base:
         view.taken.append(req.req_id)
         return Verdict.TAKE
 
-    view.queue.take(view.now, accept)
+    if view.picks is None:
+        view.queue.take(view.now, accept)
+    else:
+        candidates = view.queue.requests()
+        offers: list[tuple[Request, Verdict]] = []
+        view.queue.take(view.now, recording(accept, offers))
+        if candidates:
+            view.record(PickSite.PREFILL, offers, unconsidered(candidates, offers))
     return chunks
 
 
@@ -221,12 +271,24 @@ def _shape(decodes: Sequence[LocalRequest]) -> StepShape:
                      decode_context=sum(d.num_computed + 1 for d in decodes))
 
 
+def _predicted_s(view: StepView, first: StepShape, decodes: Sequence[LocalRequest]) -> float:
+    """The step's time: the first iteration (chunks and decodes), then the further decode
+    iterations of a multi-step plan."""
+    t = view.costs.step_s(first)
+    if view.num_decode_steps > 1 and decodes:
+        t += (view.num_decode_steps - 1) * view.costs.step_s(_shape(decodes))
+    return t
+
+
 def compose_budget_step(view: StepView, policy: SchedulingPolicy,
                         token_budget: int | None = None) -> StepPlan:
     """vLLM v1's step: every running decode, then prefill chunks in queue order within
     ``max_num_batched_tokens`` (started prefills first: the peers' queues key on it)."""
     budget = token_budget or view.max_num_batched_tokens
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
+    if decodes:
+        view.record(PickSite.DECODE, [(d.req, Verdict.TAKE) for d in decodes[: view.max_num_seqs]],
+                    [d.req for d in decodes[view.max_num_seqs:]])
     decodes = decodes[: view.max_num_seqs]
     budget -= len(decodes)
     room = view.max_num_seqs - len(decodes)
@@ -240,7 +302,8 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
                                plan_shape.prefill_attention + n * (c + n / 2),
                                plan_shape.num_decodes, plan_shape.decode_context)
     return StepPlan(tuple(d.req_id for d in decodes), tuple(chunks), tuple(victims),
-                    tuple(swap), view.costs.step_s(plan_shape) if chunks or decodes else 0.0)
+                    tuple(swap), _predicted_s(view, plan_shape, decodes) if chunks or decodes
+                    else 0.0)
 
 
 def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: float,
@@ -277,19 +340,28 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
         decodes.sort(key=lambda d: order[d.req_id])
         batch, tight = [], None
         n = ctx = 0
+        offers: list[tuple[Request, Verdict]] = []
         for d in decodes:
             if len(batch) >= limit:
+                offers.append((d.req, Verdict.STOP))
                 break
             t = tpot_by_tier[d.req.tier]
             cand = tight if t is None else (t if tight is None else min(tight, t))
-            step = costs.step_s(StepShape(num_decodes=n + 1, decode_context=ctx + d.num_computed + 1))
+            step = costs.step_s(StepShape(num_decodes=n + 1,
+                                          decode_context=ctx + d.num_computed + 1))
             if cand is not None and batch and step > tpot_margin * cand:
+                offers.append((d.req, Verdict.SKIP))
                 continue  # it waits a step; the tighter tiers keep their pace
             batch.append(d)
+            offers.append((d.req, Verdict.TAKE))
             tight = cand
             n += 1
             ctx += d.num_computed + 1
         all_shape = StepShape(num_decodes=n, decode_context=ctx)
+        view.record(PickSite.DECODE, offers, [d.req for d in decodes[len(offers):]])
+    elif decodes and view.picks is not None:
+        view.record(PickSite.DECODE, [(d.req, Verdict.TAKE) for d in batch],
+                    [d.req for d in decodes[limit:]])
     base = all_shape
     seconds = step_cap_s
     if tight is not None:
@@ -307,7 +379,7 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
         shape = StepShape(shape.prefill_tokens + n, shape.prefill_attention + n * (c + n / 2),
                           shape.num_decodes, shape.decode_context)
     return StepPlan(tuple(d.req_id for d in batch), tuple(chunks), tuple(victims), tuple(swap),
-                    view.costs.step_s(shape) if chunks or batch else 0.0)
+                    _predicted_s(view, shape, batch) if chunks or batch else 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +405,12 @@ class WorkerScheduler:
 
     def __init__(self, worker: WorkerInfo, policy: SchedulingPolicy, costs: StepCosts, *,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_tokens: int) -> None:
+                 chunk_tokens: int, num_decode_steps: int = 1,
+                 on_pick: OnPick | None = None) -> None:
+        """``on_pick``: called with each selection a plan makes (who was picked, who was
+        passed over), during ``plan``; None records nothing."""
+        if num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps: must be >= 1, got {num_decode_steps}")
         self.worker = worker
         self.policy = policy
         self.costs = costs
@@ -341,6 +418,8 @@ class WorkerScheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_tokens = chunk_tokens
+        self.num_decode_steps = num_decode_steps
+        self.on_pick = on_pick
         self.queue: WaitQueue = policy.make_queue()
         self.local: dict[str, LocalRequest] = {}
         self.decoding: dict[str, LocalRequest] = {}
@@ -412,8 +491,12 @@ class WorkerScheduler:
         view = StepView(now, self.worker, list(self.decoding.values()), self.queue, self.local,
                         list(self.swapped.values()), num_free_blocks, self.block_size,
                         self.costs, self.max_num_seqs, self.max_num_batched_tokens,
-                        self.chunk_tokens)
+                        self.chunk_tokens, num_decode_steps=self.num_decode_steps,
+                        picks=None if self.on_pick is None else [])
         plan = self.policy.compose_step(view)
+        if view.picks:
+            for pick in view.picks:
+                self.on_pick(pick)  # type: ignore[misc]
         for rid, n in plan.chunks:
             self._inflight[rid] = n
         return plan
@@ -424,8 +507,11 @@ class WorkerScheduler:
         """Advance the plan's requests after the engine ran it. ``refused``: work the
         engine could not run (chunks go back to the queue, decodes stay). ``blocks``: each
         request's blocks after the step; ``computed``: its tokens with KV after the step
-        (the engine's truth, e.g. after prefix-cache hits; default: as planned). Returns
-        the requests whose prefill finished in this step."""
+        (the engine's truth, e.g. after prefix-cache hits; default: as planned). Each
+        decode advances by its tokens of the step (``num_decode_steps`` iterations, fewer
+        at its end); ``seconds`` trains the cost model only for single-iteration steps,
+        whose shape is what the model's features describe. Returns the requests whose
+        prefill finished in this step."""
         shape_chunks: list[tuple[int, int]] = []
         done: list[str] = []
         refused_set = set(refused)
@@ -457,16 +543,17 @@ class WorkerScheduler:
             lr = self.local.get(rid)
             if lr is None or rid in refused_set:
                 continue
+            n = decode_tokens(lr, self.num_decode_steps)
             contexts.append(lr.num_computed + 1)
-            lr.num_computed += 1
+            lr.num_computed += n
             lr.num_target = lr.num_computed
-            lr.req.num_output_tokens += 1
+            lr.req.num_output_tokens += n
         if blocks:
             for rid, n in blocks.items():
                 lr = self.local.get(rid)
                 if lr is not None:
                     lr.num_blocks = n
-        if seconds is not None and (shape_chunks or contexts):
+        if seconds is not None and self.num_decode_steps == 1 and (shape_chunks or contexts):
             self.costs.observe(StepShape.of(shape_chunks, contexts), seconds)
         self.num_steps += 1
         return done
@@ -478,5 +565,5 @@ def is_started(req: Request) -> bool:
 
 
 __all__ = ["LocalRequest", "StepPlan", "StepView", "WorkerLimits", "WorkerScheduler",
-           "compose_budget_step",
-           "compose_slo_step", "MIN_CHUNK_TOKENS", "PreemptMode", "is_started"]
+           "compose_budget_step", "compose_slo_step", "decode_tokens", "MIN_CHUNK_TOKENS",
+           "PreemptMode", "is_started"]

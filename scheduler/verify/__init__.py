@@ -1,12 +1,15 @@
-"""Verification of the scheduling kernel: model checking over the real kernel code.
+"""Verification of the scheduling kernel: model checking over the objects that serve.
 
 Data flow: a :class:`scheduler.verify.scope.Scope` describes a small cluster
 and workload space; :class:`scheduler.verify.model.World` is one state of that
-cluster, built from the kernel's own pieces (the policy from
-``scheduler.policies.make_policy``, ``KVBlockAccount``, ``PrefixIndex``,
-``transition``) and moved by events (arrive, worker step, clock tick, early
-stop, worker failure). After every event the hard invariants of
-:mod:`scheduler.invariants` (plus block ownership) are checked.
+cluster, decided by the drivers every deployment uses (one
+``ClusterScheduler``, one ``WorkerScheduler`` per worker, one policy from
+``scheduler.policies.make_policy``) and carried out like the workers do
+(``KVBlockAccount``, ``PrefixIndex``, typed worker reports); it is moved by
+events (arrive, plan, worker step, clock tick, early stop, worker failure).
+After every event the hard invariants of :mod:`scheduler.invariants` (plus
+block ownership, and the tier order of every selection the drivers made) are
+checked.
 
 - :func:`scheduler.verify.exhaustive.explore`: every interleaving in the scope,
   with state hashing (:mod:`scheduler.verify.snapshot`); a counterexample

@@ -21,6 +21,7 @@ from scheduler.ordering import UnknownPolicy
 from scheduler.policies import POLICY_NAMES
 from scheduler.verify.exhaustive import explore
 from scheduler.verify.faults import FAULTS, fault
+from scheduler.verify.model import World
 from scheduler.verify.scope import Scope, ScopeError
 from scheduler.verify.trajectories import WorkloadSpec, run_trajectories, trajectory_scope
 
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--dt", type=float, help="clock step in seconds (default 0.5 / 0.05)")
     s.add_argument("--arrival-ticks", type=int, default=1,
                    help="exhaustive: arrivals happen in the first N ticks (default 1)")
+    s.add_argument("--retries", action=argparse.BooleanOptionalAction, default=None,
+                   help="routers retry what a worker failure ended (default: off "
+                        "exhaustive, on trajectories)")
     s.add_argument("--starvation-s", type=_floats, metavar="S0,S1,...",
                    help="per-tier starvation bounds (exhaustive default 4*dt*(tier+1))")
     s.add_argument("--max-states", type=int, help="stop exploring after this many states")
@@ -70,7 +74,7 @@ def _exhaustive_scope(args: argparse.Namespace) -> Scope:
     return Scope(max_requests=args.requests, num_tiers=tiers, blocks_per_worker=args.blocks or 8,
                  num_workers=args.workers, max_failures=args.failures, max_stops=args.stops,
                  dt_s=dt, arrival_ticks=args.arrival_ticks, policy=args.policy,
-                 starvation_s=starvation).with_default_shapes()
+                 starvation_s=starvation, retries=bool(args.retries)).with_default_shapes()
 
 
 def _trajectory_scope(args: argparse.Namespace) -> Scope:
@@ -82,6 +86,8 @@ def _trajectory_scope(args: argparse.Namespace) -> Scope:
         changes["dt_s"] = args.dt
     if args.starvation_s:
         changes["starvation_s"] = args.starvation_s
+    if args.retries is not None:
+        changes["retries"] = args.retries
     return replace(scope, **changes)  # type: ignore[arg-type]
 
 
@@ -129,8 +135,9 @@ def _print_counterexamples(cexs: list[dict[str, object]]) -> None:
 def _run_exhaustive(scope: Scope, pf, af, max_states: int | None) -> dict[str, object]:  # type: ignore[no-untyped-def]
     print(f"exhaustive: policy {scope.policy}, {scope.max_requests} requests, "
           f"{scope.num_tiers} tiers, {scope.blocks_per_worker} blocks x {scope.num_workers} "
-          f"workers, {scope.max_failures} failure(s), {scope.max_stops} early stop(s), "
-          f"dt {scope.dt_s}s, starvation bounds {scope.starvation_s}")
+          f"workers, {scope.max_failures} failure(s){' retried' if scope.retries else ''}, "
+          f"{scope.max_stops} early stop(s), dt {scope.dt_s}s, starvation bounds "
+          f"{scope.starvation_s}")
     res = explore(scope, policy_factory=pf, account_factory=af, max_states=max_states,
                   progress=lambda n: print(f"  ... {n} states", flush=True))
     print(f"states {res.states}, transitions {res.transitions}, terminal {res.terminal_states}, "
@@ -140,6 +147,9 @@ def _run_exhaustive(scope: Scope, pf, af, max_states: int | None) -> dict[str, o
           f"most preemptions on one path {res.num_preemptions} "
           f"(of a more urgent tier than the request served: {res.num_inversions})")
     print("violations: " + ", ".join(f"{k} {v}" for k, v in res.violations.items()))
+    if res.num_tier_inversions and not _keeps_tier_order(scope, pf):
+        print(f"tier inversions (allowed: {scope.policy} does not keep the tier order): "
+              f"at most {res.num_tier_inversions} on one path")
     cexs = [c.to_dict() for c in res.counterexamples.values()]
     _print_counterexamples(cexs)
     return {"states": res.states, "trajectories": 0, "violations": res.violations,
@@ -148,6 +158,7 @@ def _run_exhaustive(scope: Scope, pf, af, max_states: int | None) -> dict[str, o
             "max_depth": res.max_depth, "complete": res.complete,
             "max_wait_s": res.max_wait_s, "max_preemptions_per_path": res.num_preemptions,
             "max_priority_inversions_per_path": res.num_inversions,
+            "max_tier_inversions_per_path": res.num_tier_inversions,
             "wall_s": res.wall_s, "scope": _scope_dict(scope), "counterexamples": cexs}
 
 
@@ -173,6 +184,10 @@ def _run_trajectories(n: int, seed: int, scope: Scope, spec: WorkloadSpec, pf, a
     print(f"trajectories {res.trajectories}, states {res.states}, {res.wall_s:.1f}s; "
           f"preemptions {res.preemptions} (of a more urgent tier: {res.inversions})")
     print("violations: " + ", ".join(f"{k} {v}" for k, v in res.violations.items()))
+    if res.tier_inversions and not _keeps_tier_order(scope, pf):
+        print(f"tier inversions (allowed: {scope.policy} does not keep the tier order): "
+              f"{res.tier_inversions} selections in {res.tier_inversion_trajectories} "
+              "trajectories")
     if rate is not None and ci is not None:
         print(f"tier-0 P99 TTFT within target: {rate:.4f} "
               f"(95% CI {ci[0]:.4f}-{ci[1]:.4f}, {res.tier0_trajectories} trajectories)")
@@ -181,8 +196,14 @@ def _run_trajectories(n: int, seed: int, scope: Scope, spec: WorkloadSpec, pf, a
             "violations": res.violations, "tier0_p99_ok_rate": rate,
             "ci95": list(ci) if ci else None, "tier0_trajectories": res.tier0_trajectories,
             "preemptions": res.preemptions, "priority_inversions": res.inversions,
+            "tier_inversions": res.tier_inversions,
+            "tier_inversion_trajectories": res.tier_inversion_trajectories,
             "mode": "trajectories", "seed": seed, "wall_s": res.wall_s,
             "scope": _scope_dict(scope), "counterexamples": res.counterexamples}
+
+
+def _keeps_tier_order(scope: Scope, pf) -> bool:  # type: ignore[no-untyped-def]
+    return World.initial(scope.with_default_shapes(), pf).policy.keeps_tier_order
 
 
 def _scope_dict(scope: Scope) -> dict[str, object]:
@@ -192,4 +213,5 @@ def _scope_dict(scope: Scope) -> dict[str, object]:
             "max_stops": scope.max_stops, "dt_s": scope.dt_s,
             "arrival_ticks": scope.arrival_ticks,
             "starvation_s": list(scope.starvation_s) if scope.starvation_s else None,
+            "retries": scope.retries,
             "shapes": [s.label() for s in scope.shapes]}

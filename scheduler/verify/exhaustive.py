@@ -1,12 +1,12 @@
 """Exhaustive exploration: every interleaving of events in a small scope.
 
 Depth-first over :class:`scheduler.verify.model.World` states from the empty
-cluster: each state's enabled events (arrivals of every shape, each worker's
-step, early stops, worker failures, clock ticks) are applied to a copy, the
-invariants checked, and the new state kept only if its key (everything that
-decides the future, hashed) has not been seen. A violating state is not
-expanded further; the first (shortest found) trace of events reaching each
-violated invariant is the counterexample.
+cluster: each state's enabled events (arrivals of every shape, the cluster
+scheduler's plan, each worker's step, early stops, worker failures, clock
+ticks) are applied to a copy, the invariants checked, and the new state kept
+only if its key (everything that decides the future, hashed) has not been
+seen. A violating state is not expanded further; the first (shortest found)
+trace of events reaching each violated invariant is the counterexample.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class ExploreResult:
     # request it made room for), on one path.
     num_preemptions: int = 0
     num_inversions: int = 0
+    # Most selections on one path that passed a hopeless request over for a less urgent
+    # tier's feasible work (violations for a policy that keeps the tier order).
+    num_tier_inversions: int = 0
     # False when max_states cut the search short.
     complete: bool = True
     wall_s: float = 0.0
@@ -95,6 +98,7 @@ def explore(scope: Scope, *, policy_factory: PolicyFactory | None = None,
                 res.max_wait_s[t] = max(res.max_wait_s[t], w)
             res.num_preemptions = max(res.num_preemptions, nxt.num_preemptions)
             res.num_inversions = max(res.num_inversions, nxt.num_inversions)
+            res.num_tier_inversions = max(res.num_tier_inversions, nxt.sink.num_inversions)
             if found:
                 if key not in bad_seen:
                     bad_seen.add(key)

@@ -5,9 +5,20 @@ checkers' public ``policy_factory`` / ``account_factory`` parameters; a checker
 that finds no counterexample with them in place is not checking anything.
 
 - ``thrash``: the tierserve policy with the anti-thrash window switched off in
-  its victim choice (a request may be preempted again at once).
-- ``overbook``: a block account whose ``allocate`` never says no (KV in use
-  can exceed the budget).
+  its victim choice (a request may be preempted again at once). A preempted
+  request needs a step to come back, so on the default 0.5 s clock it shows
+  where requests crowd one worker: ``--workers 1 --arrival-ticks 2 --failures 0
+  --stops 0`` (and in the trajectories' 50 ms clock).
+- ``overbook``: a block account that never says no: ``allocate`` grants past
+  the budget and the account always shows a free block, so the schedulers,
+  which only ever ask for blocks they were told are free, keep placing work
+  (KV in use exceeds the budget); it shows once two requests share a worker
+  (``--requests 2 --workers 1``, or the trajectories).
+- ``inversion``: the tierserve policy with the slack ordering as it was before
+  DESIGN §5's rule: every hopeless request behind every feasible one
+  (``feasible + hopeless``), in the global queue, the workers' queues and the
+  decode batch alike (the tier-order invariant must fail; the default scope
+  shows it).
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from scheduler.kv import KVBlockAccount
+from scheduler.ordering import SlackPolicy
 from scheduler.policy import PolicyContext, TierservePolicy
 from scheduler.preemption import PreemptionPlan, VictimView, choose_victims
+from scheduler.queues import SortedQueue, WaitQueue
 from scheduler.request import Request
 from scheduler.verify.model import AccountFactory, PolicyFactory
 
@@ -43,8 +56,42 @@ class ThrashingPolicy(TierservePolicy):
         return self._victims(need_blocks, candidates, requester_tier, now)
 
 
+class HopelessLastOrdering(SlackPolicy):
+    """The slack order with every hopeless request demoted behind all feasible work,
+    whatever its tier (the order before no_inversion)."""
+
+    def order(self, reqs: Sequence[Request], now: float) -> list[Request]:
+        guard = sorted((r for r in reqs if self.is_starving(r, now)),
+                       key=lambda r: r.arrival_time)
+        ids = {r.req_id for r in guard}
+        feasible, hopeless = self._split([r for r in reqs if r.req_id not in ids], now)
+        top = self.GUARD_YIELDS_TO_TIERS
+        head = [r for r in feasible if r.tier < top]
+        rest = [r for r in feasible if r.tier >= top]
+        return head + guard + rest + hopeless
+
+
+class InvertingPolicy(TierservePolicy):
+    """Tierserve whose slack ordering puts hopeless requests behind all feasible ones;
+    it still claims ``keeps_tier_order``, so the checker holds it to the rule."""
+
+    name = "tierserve-inversion"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.ordering = HopelessLastOrdering(ctx.tiers, ctx.est, self.watcher)
+
+    def make_queue(self) -> WaitQueue:
+        return SortedQueue(self.ordering)
+
+
 class OverbookingAccount(KVBlockAccount):
-    """Grants every allocation, even past ``num_total_blocks``."""
+    """Grants every allocation, even past ``num_total_blocks``, and never shows fewer
+    than one free block."""
+
+    @property
+    def num_free(self) -> int:
+        return max(self.num_total_blocks - self.num_owned - self.num_cached, 1)
 
     def allocate(self, req_id: str, num_blocks: int) -> bool:
         self.owned[req_id] = self.owned.get(req_id, 0) + num_blocks
@@ -56,9 +103,14 @@ def thrashing_policy(ctx: PolicyContext) -> TierservePolicy:
     return ThrashingPolicy(ctx)
 
 
+def inverting_policy(ctx: PolicyContext) -> TierservePolicy:
+    return InvertingPolicy(ctx)
+
+
 FAULTS: dict[str, tuple[PolicyFactory | None, AccountFactory | None]] = {
     "thrash": (thrashing_policy, None),
     "overbook": (None, OverbookingAccount),
+    "inversion": (inverting_policy, None),
 }
 
 

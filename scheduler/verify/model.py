@@ -1,50 +1,66 @@
-"""A small cluster moved by events, over the real kernel: the model both checkers explore.
+"""A small cluster moved by events, over the real drivers: the model both checkers explore.
 
-A :class:`World` holds ``num_workers`` workers, each both a prefill worker (a
-:class:`PrefixIndex`) and a decode worker (a :class:`KVBlockAccount`), the
-requests, and one scheduling policy built by :func:`scheduler.policies.make_policy`.
-Every decision is the policy's; the world only applies its plans, the way a
-worker or the simulator does. Events (a clock of ``dt_s`` per tick):
+A :class:`World` is a serving cluster in miniature, decided by the objects that serve:
+one :class:`~scheduler.cluster_scheduler.ClusterScheduler` (the global scheduler actor's
+object, in ``PoolMode.AGGREGATED``: each of ``num_workers`` workers prefills and decodes)
+and one :class:`~scheduler.step_planner.WorkerScheduler` per worker, all on one scheduling
+policy (``scheduler.policies.make_policy`` or an injected one). Every decision is theirs;
+the world only does what the actor and the workers do with the plans: it answers
+dispatches (the blocks reserved in a :class:`KVBlockAccount`, the prompt's cached prefix
+pinned in a :class:`PrefixIndex`), runs each worker's step plan (evicts its victims,
+swaps in, allocates blocks for chunks and growth, commits), and reports what happened as
+typed :class:`~scheduler.messages.WorkerReport` s (events, free blocks, running requests,
+prefix-cache events). Events, on a clock of ``dt_s`` per tick:
 
-1. ARRIVE(shape): a request arrives; ``policy.admit`` accepts, queues or
-   rejects it; ``policy.place_prefill`` picks its prefill worker (prefix match
-   from that worker's index, and backlog).
-2. STEP(w): worker ``w``'s step: ``policy.make_queue()`` holds its waiting
-   requests and ``take`` offers them in policy order; each offered request is
-   placed (``policy.place_decode``), or else may preempt (``policy.preempt_for``),
-   within a prefill token budget. A swapped-out request resumes by swap-in.
-3. TICK: the clock advances; prefills finish (first token, TTFT observed),
-   transfers land, decoding requests generate ``tokens_per_tick`` tokens and
-   grow their KV, calling ``policy.on_kv_pressure`` when a worker runs out;
-   migrations resume; ``policy.tick`` runs (deadline watcher, fair share).
-   A tick is enabled only after every worker with waiting work has stepped
-   since the last one (workers keep stepping: no adversarial idling).
-4. STOP(r): a decoding request emits its stop token early (seen at the start
-   of a tick, the decode iteration that produced it; several stops in one tick
-   commute, so they are taken in request order).
-5. FAIL(w): worker ``w`` dies and restarts empty; its prefills and transfers
-   are retried by recompute, its decodes are aborted, swap copies are lost
-   (at the start of a tick, or after its steps).
-
-Preemptions are the policy's decisions inside steps and ticks, so they
-interleave with everything else through those events.
+1. ARRIVE(shape): ``ClusterScheduler.submit``: admitted into its queue, or rejected.
+2. PLAN: ``ClusterScheduler.plan``; its aborts, preemptions for an arrival and dispatches
+   are applied on the workers (a preemption for a worker whose step is running waits
+   for the step to end) and the dispatch answers fed back. Due after anything that may
+   change the plan (an admission, a tick or a stop with requests waiting, a failure),
+   until it runs.
+3. STEP(w): worker ``w`` starts its engine step for this tick: ``WorkerScheduler.plan``
+   (victims of KV pressure evicted and reported, blocks allocated for growth, swap-ins
+   and recomputes); once per tick for each worker with work, in any order with the
+   arrivals and plans (a request dispatched after its worker stepped waits a step).
+4. TICK: every running step ends (committed: ``tokens_per_tick`` decode iterations a
+   step, ``num_decode_steps``; finished requests release their blocks; the preemptions
+   that waited are applied) and is reported, then the clock advances. It waits for every
+   worker with work to have stepped and for a due plan (no adversarial idling).
+5. STOP(r): a decoding request emits its stop token early (seen at the start of a tick,
+   the decode iteration that produced it; several stops in one tick commute, so they
+   are taken in request order).
+6. FAIL(w): worker ``w`` dies and an empty one replaces it (``remove_worker`` ends the
+   requests it held with ``worker_failed``; ``add_worker`` brings the replacement), at
+   the start of a tick or once nothing is due before the tick (its running step is lost
+   with it). With ``scope.retries`` the next plan's abort orders tell the routers, which
+   retry each request as the cluster backend does: a new request ``<id>-r<n>`` with the
+   original arrival time and tier, its prompt extended by the tokens already streamed,
+   for the tokens left.
 
 After every event :meth:`World.check` runs the hard invariants of
-:mod:`scheduler.invariants` and block ownership (every owned block belongs to
-a live request on that worker; a request that ends holds no blocks). An
-attempted illegal transition is caught and reported, never raised.
+:mod:`scheduler.invariants`: KV budget and block ownership (every owned block belongs
+to a live request on that worker, every request that holds blocks by its state has
+them, pinned prefix entries stay), legal and chained transitions, shares, anti-thrash,
+starvation (when the clock moved), and the tier order of every selection the event's
+decisions made (the drivers' ``on_pick``): a violation for a policy that
+``keeps_tier_order``, counted in ``num_tier_inversions`` for one that does not.
 """
 
 from __future__ import annotations
 
-import copy
 import enum
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.admission import AdmissionKind, LoadSnapshot
-from scheduler.deadlines import LinearEstimate, slack_s
+from scheduler.cluster_scheduler import (
+    ClusterScheduler,
+    DispatchOrder,
+    NewRequest,
+    Plan,
+    PoolMode,
+    PreemptOrder,
+)
+from scheduler.deadlines import LinearEstimate
 from scheduler.invariants import (
     Invariant,
     Violation,
@@ -52,23 +68,19 @@ from scheduler.invariants import (
     check_kv_budget,
     check_shares,
     check_starvation,
+    check_tier_order,
     check_transitions,
 )
 from scheduler.kv import KVBlockAccount
-from scheduler.placement import DecodeView, PrefillView
+from scheduler.messages import BlockEvent, ReqEvent, RunningReq, WorkerEvent, WorkerReport
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext, SchedulingPolicy
-from scheduler.preemption import PreemptionPlan, PreemptMode, VictimView
+from scheduler.preemption import PreemptMode
 from scheduler.prefix_index import PrefixIndex
-from scheduler.queues import Verdict
-from scheduler.request import (
-    Decision,
-    DecisionRecord,
-    IllegalTransition,
-    Request,
-    RequestState,
-    transition,
-)
+from scheduler.queues import Pick
+from scheduler.request import Decision, DecisionRecord, Request, RequestState
+from scheduler.step_costs import StepCosts
+from scheduler.step_planner import StepPlan, WorkerScheduler, decode_tokens
 from scheduler.testing import make_costs
 from scheduler.tiers import TierConfig
 from scheduler.topology import WorkerInfo, WorkerRole
@@ -79,20 +91,21 @@ PolicyFactory = Callable[[PolicyContext], SchedulingPolicy]
 AccountFactory = Callable[[str, int], KVBlockAccount]
 
 S = RequestState
+E = WorkerEvent
 # Tuples, not sets: membership by identity is much cheaper than Enum.__hash__.
 _WAITING = (S.QUEUED, S.PREEMPTED)
 _HOLDS_BLOCKS = (S.PREFILLING, S.TRANSFERRING, S.DECODING, S.PREEMPTING)
 _DONE = (S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.ABORTED, S.REJECTED)
 _FAILURE_DECISIONS = (Decision.WORKER_FAILED, Decision.TRANSFER_FAILED)
-_PREEMPT_DECISION = {PreemptMode.SWAP: Decision.PREEMPT_SWAP,
-                     PreemptMode.RECOMPUTE: Decision.PREEMPT_RECOMPUTE,
-                     PreemptMode.MIGRATE: Decision.PREEMPT_MIGRATE}
-
-
+# Room for every request a scope can hold: the step budget, not a sequence cap, limits.
+MAX_NUM_SEQS = 256
+# Attempts a router makes per request (cluster.backend.MAX_ATTEMPTS).
+MAX_ATTEMPTS = 3
 
 
 class EventKind(enum.Enum):
     ARRIVE = "arrive"
+    PLAN = "plan"
     STEP = "step"
     TICK = "tick"
     STOP = "stop"
@@ -109,12 +122,14 @@ class Event:
 
 @dataclass(slots=True)
 class Aux:
-    """Mechanics the kernel does not own: where a request's work stands in the model."""
+    """Mechanics the drivers do not own, and what checking has seen of a request."""
 
-    ready_tick: int = 0
-    swapped: bool = False  # PREEMPTED with its KV in host memory
-    migrate_to: int = -1  # PREEMPTED, blocks reserved on this worker, resumes next tick
-    pinned_on: int = -1  # prefill worker whose index pins its prompt hashes
+    pinned_on: int = -1  # worker whose prefix index pins its prompt hashes
+    # When it was submitted (a retry: later than its arrival), and whether an earlier
+    # attempt already streamed its first token (then this one's is not a TTFT).
+    submitted: float = 0.0
+    streamed: bool = False
+    num_attempts: int = 1
     # Incremental checking: history records already checked, and the last
     # preemption the scheduler (not a failure) decided.
     num_checked: int = 0
@@ -122,7 +137,39 @@ class Aux:
 
     def key(self) -> tuple:
         t = None if self.last_preempt is None else self.last_preempt.time
-        return (self.ready_tick, self.swapped, self.migrate_to, self.pinned_on, t)
+        return (self.pinned_on, t, self.submitted, self.streamed, self.num_attempts)
+
+
+class Sink:
+    """What the drivers tell the world while they decide: the requests they close (a
+    rejection's request exists nowhere else) and their picks, checked for tier order
+    the moment they are made (before the plan is applied changes the requests)."""
+
+    __slots__ = ("tiers", "est", "keeps_tier_order", "closed", "found", "num_inversions")
+
+    def __init__(self, tiers: TierConfig, est: LinearEstimate, keeps_tier_order: bool) -> None:
+        self.tiers = tiers
+        self.est = est
+        self.keeps_tier_order = keeps_tier_order
+        self.closed: list[Request] = []
+        self.found: list[Violation] = []
+        self.num_inversions = 0
+
+    def __call__(self, pick: Pick) -> None:  # on_pick
+        got = check_tier_order(pick, self.tiers, self.est)
+        if got:
+            self.num_inversions += 1
+            if self.keeps_tier_order:
+                self.found.extend(got)
+
+    def on_decision(self, rec: DecisionRecord, tier: int) -> None:
+        pass
+
+    def on_closed(self, req: Request) -> None:
+        self.closed.append(req)
+
+    def on_prefix_lookup(self, num_blocks: int, num_hit: int) -> None:
+        pass
 
 
 _WORKER_INDEX: dict[str, int] = {}
@@ -134,6 +181,13 @@ def _worker_id(i: int) -> str:
     return wid
 
 
+def cost_prior(scope: Scope) -> tuple[float, ...]:
+    """The step cost model equal to the scope's linear estimate (no fixed cost, no
+    attention term): a prefill of n tokens costs n x prefill_per_token_s, a decode
+    iteration decode_per_token_s per request."""
+    return (0.0, scope.prefill_per_token_s, 0.0, scope.decode_per_token_s, 0.0)
+
+
 @dataclass
 class World:
     scope: Scope
@@ -142,14 +196,26 @@ class World:
     policy: SchedulingPolicy
     infos: tuple[WorkerInfo, ...]
     account_factory: AccountFactory
+    cs: ClusterScheduler
+    ws: list[WorkerScheduler]
     accounts: list[KVBlockAccount]
     prefix: list[PrefixIndex]
+    sink: Sink
+    # Prefix hashes each worker has announced as stored (its mirror in the scheduler).
+    announced: list[set[int]] = field(default_factory=list)
     reqs: list[Request] = field(default_factory=list)
     aux: list[Aux] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)  # request id -> position in reqs
+    num_arrived: int = 0
     tick: int = 0
     num_failures: int = 0
+    plan_due: bool = False
+    # Per worker: its step of this tick (planned, not yet ended), and the preemptions
+    # the scheduler ordered while it ran.
+    running: list[StepPlan | None] = field(default_factory=list)
     stepped: list[bool] = field(default_factory=list)
-    # No arrival or step yet in this tick (completions and failures may happen).
+    deferred: list[list[PreemptOrder]] = field(default_factory=list)
+    # No arrival or plan yet in this tick (completions and failures may happen).
     at_tick_start: bool = True
     last_stop: int = -1
     num_stops: int = 0
@@ -160,6 +226,8 @@ class World:
     num_inversions: int = 0
     max_wait_s: list[float] = field(default_factory=list)
     _violations: list[Violation] = field(default_factory=list)
+    # A prefix index changed in this event (only pinning evicts): check the pins.
+    _prefix_changed: bool = False
 
     @classmethod
     def initial(cls, scope: Scope, policy_factory: PolicyFactory | None = None,
@@ -174,13 +242,30 @@ class World:
                        scope.blocks_per_worker)
             for i in range(scope.num_workers)
         )
-        return cls(scope=scope, tiers=tiers, ctx=ctx, policy=policy, infos=infos,
-                   account_factory=acct,
-                   accounts=[acct(i.worker_id, scope.blocks_per_worker) for i in infos],
-                   prefix=[PrefixIndex(scope.blocks_per_worker) for _ in infos],
-                   stepped=[False] * scope.num_workers,
-                   ttfts=[[] for _ in range(scope.num_tiers)],
-                   max_wait_s=[0.0] * scope.num_tiers)
+        sink = Sink(tiers, est, policy.keeps_tier_order)
+        cs = ClusterScheduler(tiers, policy, scope.block_size, ctx.costs, mode=PoolMode.AGGREGATED,
+                              cost_prior=cost_prior(scope), chunk_tokens=scope.step_budget_tokens,
+                              observer=sink, on_pick=sink)
+        world = cls(scope=scope, tiers=tiers, ctx=ctx, policy=policy, infos=infos,
+                    account_factory=acct, cs=cs, ws=[],
+                    accounts=[acct(i.worker_id, scope.blocks_per_worker) for i in infos],
+                    prefix=[PrefixIndex(scope.blocks_per_worker) for _ in infos], sink=sink,
+                    announced=[set() for _ in infos], running=[None] * len(infos),
+                    stepped=[False] * len(infos), deferred=[[] for _ in infos],
+                    ttfts=[[] for _ in range(scope.num_tiers)],
+                    max_wait_s=[0.0] * scope.num_tiers)
+        for w, info in enumerate(infos):
+            cs.add_worker(info, scope.blocks_per_worker, can_prefill=True, can_decode=True)
+            world.ws.append(world._new_worker_scheduler(w))
+        return world
+
+    def _new_worker_scheduler(self, w: int) -> WorkerScheduler:
+        sc = self.scope
+        return WorkerScheduler(self.infos[w], self.policy, StepCosts(cost_prior(sc)),
+                               block_size=sc.block_size, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=sc.step_budget_tokens,
+                               chunk_tokens=sc.step_budget_tokens,
+                               num_decode_steps=sc.tokens_per_tick, on_pick=self.sink)
 
     # -- state -------------------------------------------------------------
 
@@ -188,20 +273,20 @@ class World:
     def now(self) -> float:
         return self.tick * self.scope.dt_s
 
-    def _cfg_ids(self) -> frozenset[int]:
-        return frozenset(id(x) for x in (self.ctx, self.tiers, self.ctx.est, self.ctx.costs,
-                                         self.scope, *self.infos))
+    def _cfg(self) -> tuple[object, ...]:
+        return (self.ctx, self.tiers, self.ctx.est, self.ctx.costs, self.scope, *self.infos)
 
     def clone(self) -> World:
-        keep: dict[int, object] = {id(x): x for x in (self.ctx, self.tiers, self.ctx.est,
-                                                       self.ctx.costs, self.scope, *self.infos)}
-        new = copy.copy(self)
-        new.policy = state_copy(self.policy, keep)  # type: ignore[assignment]
-        new.accounts = [state_copy(a, keep) for a in self.accounts]  # type: ignore[misc]
-        new.prefix = [state_copy(p, keep) for p in self.prefix]  # type: ignore[misc]
-        new.reqs = [state_copy(r, keep) for r in self.reqs]  # type: ignore[misc]
-        new.aux = [state_copy(a, keep) for a in self.aux]  # type: ignore[misc]
+        keep: dict[int, object] = {id(x): x for x in self._cfg()}
+        new = copy_shallow(self)
+        (new.cs, new.ws, new.accounts, new.prefix, new.sink, new.reqs, new.aux,
+         new.announced, new.deferred) = state_copy(  # type: ignore[misc]
+            (self.cs, self.ws, self.accounts, self.prefix, self.sink, self.reqs, self.aux,
+             self.announced, self.deferred), keep)
+        new.index = dict(self.index)
+        new.running = list(self.running)  # plans are frozen
         new.stepped = list(self.stepped)
+        new.policy = new.cs.policy
         new.ttfts = [list(x) for x in self.ttfts]
         new.max_wait_s = list(self.max_wait_s)
         new._violations = []
@@ -209,7 +294,7 @@ class World:
 
     def key(self) -> tuple:
         """Everything that decides the future, for state deduplication."""
-        skip = self._cfg_ids()
+        skip = frozenset(id(x) for x in (*self._cfg(), self.sink))
         # A finished request is never read again (every decision and check here
         # filters by state), so only its state stays in the key.
         reqs = tuple(
@@ -220,12 +305,10 @@ class World:
              r.history[-1].time if r.history else None, a.key())
             for r, a in zip(self.reqs, self.aux, strict=True)
         )
-        return (self.tick, self.num_failures, self.num_stops, tuple(self.stepped),
-                self.at_tick_start,
-                self.last_stop, reqs,
-                tuple(fingerprint(a, skip) for a in self.accounts),
-                tuple(fingerprint(p, skip) for p in self.prefix),
-                fingerprint(self.policy, skip))
+        return (self.tick, self.num_failures, self.num_stops, self.num_arrived,
+                self.plan_due, self.at_tick_start, self.last_stop, tuple(self.stepped), reqs,
+                fingerprint((self.cs, self.ws, self.accounts, self.prefix, self.running,
+                             self.deferred), skip))
 
     def live(self) -> bool:
         return any(r.state not in _DONE for r in self.reqs)
@@ -239,12 +322,18 @@ class World:
         return r.state is S.DECODING and 0 < r.num_output_tokens < r.max_new_tokens
 
     def has_waiting(self, w: int) -> bool:
-        return bool(self._waiting_on(w))
+        """Worker ``w`` has work and has not stepped in this tick."""
+        return not self.stepped[w] and self.ws[w].has_work()
 
-    def _waiting_on(self, w: int) -> list[int]:
-        return [i for i, r in enumerate(self.reqs)
-                if r.state in _WAITING and self.aux[i].migrate_to < 0
-                and r.prefill_worker_id == self.infos[w].worker_id]
+    def worker_busy(self, w: int) -> bool:
+        return bool(self.accounts[w].num_used or self.prefix[w].num_cached
+                    or self.ws[w].local)
+
+    def worker_index(self, worker_id: str | None) -> int:
+        """The index of a worker by id (-1: none)."""
+        return _WORKER_INDEX.get(worker_id, -1)  # type: ignore[arg-type]
+
+    _index = worker_index
 
     # -- events ------------------------------------------------------------
 
@@ -252,22 +341,24 @@ class World:
         """Every event that may happen next (exhaustive mode)."""
         sc = self.scope
         out: list[Event] = []
-        if len(self.reqs) < sc.max_requests and self.tick < sc.arrival_ticks:
+        if self.num_arrived < sc.max_requests and self.tick < sc.arrival_ticks:
             out.extend(Event(EventKind.ARRIVE, shape=s) for s in sc.shapes)
-        pending_steps = [w for w in range(sc.num_workers)
-                         if not self.stepped[w] and self._waiting_on(w)]
+        if self.plan_due:
+            out.append(Event(EventKind.PLAN))
+        pending_steps = [w for w in range(sc.num_workers) if self.has_waiting(w)]
         out.extend(Event(EventKind.STEP, worker=w) for w in pending_steps)
+        idle = not self.plan_due and not pending_steps
         # Completions are seen at the start of a tick (the decode iteration that
         # emitted the stop token), in request order (stops commute); failures at
-        # the start of a tick or after its steps.
+        # the start of a tick or once nothing is due before it.
         if self.num_stops < sc.max_stops and self.at_tick_start:
             out.extend(Event(EventKind.STOP, req=i) for i in range(len(self.reqs))
                        if i > self.last_stop and self.can_stop(i))
-        if self.failures_left() and (self.at_tick_start or not pending_steps):
+        if self.failures_left() and (self.at_tick_start or idle):
             out.extend(Event(EventKind.FAIL, worker=w) for w in range(sc.num_workers)
                        if self.worker_busy(w))
-        more_arrivals = len(self.reqs) < sc.max_requests and self.tick + 1 < sc.arrival_ticks
-        if not pending_steps and self.tick < sc.max_ticks and (self.live() or more_arrivals):
+        more_arrivals = self.num_arrived < sc.max_requests and self.tick + 1 < sc.arrival_ticks
+        if idle and self.tick < sc.max_ticks and (self.live() or more_arrivals):
             out.append(Event(EventKind.TICK))
         return out
 
@@ -275,7 +366,9 @@ class World:
         t = f"t={self.now:.3f}"
         if ev.kind is EventKind.ARRIVE:
             assert ev.shape is not None
-            return f"{t} arrive r{len(self.reqs)} {ev.shape.label()}"
+            return f"{t} arrive r{self.num_arrived} {ev.shape.label()}"
+        if ev.kind is EventKind.PLAN:
+            return f"{t} plan"
         if ev.kind is EventKind.STEP:
             return f"{t} step w{ev.worker}"
         if ev.kind is EventKind.STOP:
@@ -287,7 +380,7 @@ class World:
     def apply(self, ev: Event) -> list[Violation]:
         """Apply one event, then check the invariants; returns the violations."""
         self._violations = []
-        if ev.kind in (EventKind.ARRIVE, EventKind.STEP):
+        if ev.kind in (EventKind.ARRIVE, EventKind.PLAN, EventKind.STEP):
             self.at_tick_start = False
         if ev.kind is EventKind.STOP:
             self.last_stop = ev.req
@@ -295,6 +388,8 @@ class World:
         if ev.kind is EventKind.ARRIVE:
             assert ev.shape is not None
             self._arrive(ev.shape)
+        elif ev.kind is EventKind.PLAN:
+            self._plan()
         elif ev.kind is EventKind.STEP:
             self._step(ev.worker)
         elif ev.kind is EventKind.TICK:
@@ -303,132 +398,247 @@ class World:
             self._stop(ev.req)
         else:
             self._fail(ev.worker)
-        return self._violations + self.check(clock_moved=ev.kind is EventKind.TICK)
+        found = self._violations + self.sink.found
+        self.sink.found = []
+        return found + self.check(clock_moved=ev.kind is EventKind.TICK)
 
-    # -- mechanics ---------------------------------------------------------
-
-    def worker_busy(self, w: int) -> bool:
-        wid = self.infos[w].worker_id
-        if self.accounts[w].num_used or self.prefix[w].num_cached:
-            return True
-        return any(r.state in _HOLDS_BLOCKS and wid in (r.prefill_worker_id, r.decode_worker_id)
-                   for r in self.reqs)
-
-    def worker_index(self, worker_id: str | None) -> int:
-        """The index of a worker by id (-1: none)."""
-        return _WORKER_INDEX.get(worker_id, -1)  # type: ignore[arg-type]
-
-    _index = worker_index
-
-    def _move(self, i: int, to: RequestState, decision: Decision, by: str,
-              blocking: str | None = None, hits: int = 0) -> bool:
-        r = self.reqs[i]
-        w = self._index(r.decode_worker_id)
-        pressure = self.accounts[w].mem_pressure if w >= 0 else 0.0
-        try:
-            transition(r, to, decision=decision, triggered_by=by, now=self.now,
-                       mem_pressure=pressure, slo_slack=slack_s(r, self.now, self.tiers,
-                                                                 self.ctx.est),
-                       kv_reuse_hit=hits, blocking_req_id=blocking)
-        except IllegalTransition as e:
-            self._violations.append(Violation(Invariant.LEGAL_TRANSITIONS, str(e)))
-            return False
-        return True
-
-    def _decode_views(self) -> list[DecodeView]:
-        running: dict[str | None, int] = {}
-        for r in self.reqs:
-            if r.state in _HOLDS_BLOCKS:
-                running[r.decode_worker_id] = running.get(r.decode_worker_id, 0) + 1
-        return [DecodeView(info, a.num_free + a.num_cached, running.get(info.worker_id, 0))
-                for info, a in zip(self.infos, self.accounts, strict=True)]
-
-    def _backlog_s(self, idx: Sequence[int]) -> float:
-        est = self.ctx.est
-        return sum(est.prefill_s(self.reqs[i].num_context_tokens, 0) for i in idx)
+    # -- the actor's side --------------------------------------------------
 
     def _arrive(self, shape: Shape) -> None:
-        r = Request(req_id=f"r{len(self.reqs)}", tier=shape.tier, arrival_time=self.now,
-                    prompt_len=shape.prompt_len, max_new_tokens=shape.max_new_tokens,
-                    block_hashes=shape.block_hashes)
-        self.reqs.append(r)
-        self.aux.append(Aux())
-        i = len(self.reqs) - 1
-        pol = self.policy
-        pol.record_demand(r.tier, r.prompt_len + r.max_new_tokens, self.now)
-        waiting = [j for j, q in enumerate(self.reqs) if q.state in _WAITING and j != i]
-        backlog = [self._backlog_s([j for j in waiting if self.reqs[j].tier == t])
-                   for t in range(self.tiers.num_tiers)]
-        need = r.num_blocks_needed(self.scope.block_size, 1)
-        load = LoadSnapshot(backlog, self.scope.num_workers,
-                            any(v.num_free_blocks >= need for v in self._decode_views()))
-        decision = pol.admit(r, self.now, load)
-        if decision.kind is AdmissionKind.REJECT:
-            self._move(i, S.REJECTED, Decision.REJECT, "admission")
-            return
-        views = [PrefillView(info, self._backlog_s(self._waiting_on(w)),
-                             self.prefix[w].match_len(r.block_hashes))
-                 for w, info in enumerate(self.infos)]
-        chosen = pol.place_prefill(r, views)
-        if chosen is not None:
-            r.prefill_worker_id = chosen.info.worker_id
+        rid = f"r{self.num_arrived}"
+        self.num_arrived += 1
+        self._submit(NewRequest(rid, shape.tier, self.now, shape.prompt_len,
+                                shape.max_new_tokens, shape.block_hashes), Aux(submitted=self.now))
 
-    def _victim_views(self, w: int, exclude: int = -1) -> list[VictimView]:
-        wid = self.infos[w].worker_id
+    def _submit(self, nr: NewRequest, aux: Aux) -> None:
+        adm = self.cs.submit(nr, self.now)
+        req = self.cs.get(nr.req_id)
+        if req is None and self.sink.closed:
+            req = self.sink.closed[-1]  # rejected: closed at once
+        self.sink.closed = []
+        if req is None:  # refused before it became a request (no worker): never here
+            self._violations.append(Violation(Invariant.LEGAL_TRANSITIONS,
+                                              f"{nr.req_id}: {adm.outcome.value} ({adm.reason})"))
+            req = Request(nr.req_id, nr.tier, nr.arrival_time, nr.prompt_len,
+                          nr.max_new_tokens, nr.block_hashes, state=S.REJECTED)
+        self.index[req.req_id] = len(self.reqs)
+        self.reqs.append(req)
+        self.aux.append(aux)
+        if adm.accepted:
+            self.plan_due = True
+
+    def _retry(self, req_id: str) -> None:
+        """The router retries a request the cluster gave up on (cluster.backend): the
+        prompt plus the tokens it streamed, for the tokens left, same arrival and tier."""
+        i = self.index[req_id]
+        r, a = self.reqs[i], self.aux[i]
+        produced = r.num_output_tokens
+        left = r.max_new_tokens - produced
+        if a.num_attempts >= MAX_ATTEMPTS or left <= 0:
+            return
+        base = req_id.split("-r")[0]
+        nr = NewRequest(f"{base}-r{a.num_attempts}", r.tier, r.arrival_time,
+                        r.prompt_len + produced, left, r.block_hashes)
+        self._submit(nr, Aux(submitted=self.now, streamed=a.streamed or produced > 0,
+                             num_attempts=a.num_attempts + 1))
+
+    def _plan(self) -> None:
+        now = self.now
+        plan: Plan = self.cs.plan(now)
+        self.plan_due = False
+        touched: dict[int, list[BlockEvent]] = {}
+        for a in plan.aborts:
+            for wid in a.worker_ids:
+                w = self._index(wid)
+                self._drop(w, a.req_id)
+                touched.setdefault(w, [])
+        for p in plan.preempts:
+            w = self._index(p.worker_id)
+            if self.running[w] is not None:
+                self.deferred[w].append(p)  # between steps, as an engine does
+            else:
+                self._evict(w, p.req_id, p.mode, now, p.for_req_id)
+        for d in plan.dispatches:
+            w, changes = self._dispatch(d, now)
+            touched.setdefault(w, []).extend(changes)
+        for w in sorted(touched):
+            self._report(w, now, [], touched[w])
+        if self.scope.retries:
+            for a in plan.aborts:
+                if a.error is not None:
+                    self._retry(a.req_id)
+
+    def _dispatch(self, d: DispatchOrder, now: float) -> tuple[int, list[BlockEvent]]:
+        """The decode worker (which prefills it too) reserves the blocks, pins the cached
+        prefix and queues the prefill; or refuses (no blocks, or no room to pin)."""
+        w = self._index(d.decode_worker_id)
+        acct, idx = self.accounts[w], self.prefix[w]
+        req = self.cs.get(d.req_id)
+        assert req is not None
+        hits: int | None = None
+        if acct.allocate(req.req_id, d.num_blocks):
+            hits = idx.acquire(req.block_hashes,
+                               lambda: self.policy.protected_hashes(self.cs.waiting()))
+            if hits is None:
+                acct.release(req.req_id)
+        ok = hits is not None
+        self._prefix_changed = True
+        self.cs.on_dispatch_result(req.req_id, ok, now,
+                                   num_free_blocks=acct.num_free + acct.num_cached,
+                                   num_cached_blocks=hits or 0)
+        if hits is not None:
+            self.aux[self._req_index(req.req_id)].pinned_on = w
+            cached = min(hits * self.scope.block_size, req.num_context_tokens - 1)
+            req.num_computed_tokens = cached
+            lr = self.ws[w].add_prefill(req, req.num_context_tokens - cached, now,
+                                        num_computed=cached)
+            lr.num_blocks = d.num_blocks  # reserved at dispatch
+        return w, self._prefix_events(w, req.block_hashes if ok else ())
+
+    def _prefix_events(self, w: int, pinned: tuple[int, ...]) -> list[BlockEvent]:
+        """What worker ``w``'s prefix cache tells the mirror after pinning ``pinned``
+        (inserted where missing, others evicted to make room)."""
+        known, idx = self.announced[w], self.prefix[w]
+        removed = tuple(h for h in known if h not in idx)
+        stored = tuple(h for h in pinned if h not in known)
         out = []
-        for i, r in enumerate(self.reqs):
-            if i == exclude or r.decode_worker_id != wid or r.state not in (
-                    S.PREFILLING, S.TRANSFERRING, S.DECODING):
-                continue
-            n = self.accounts[w].blocks_of(r.req_id)
-            peer = None
-            for p, info in enumerate(self.infos):
-                a = self.accounts[p]
-                if p != w and a.num_free + a.num_cached >= n:
-                    peer = info
-                    break
-            # Leading prompt blocks also cached on another worker survive preemption.
-            shared = max((self.prefix[p].match_len(r.block_hashes)
-                          for p in range(len(self.infos)) if p != w), default=0)
-            out.append(VictimView(r, self.infos[w], n, min(shared, n), peer))
+        if removed:
+            known.difference_update(removed)
+            out.append(BlockEvent(False, removed))
+        if stored:
+            known.update(stored)
+            out.append(BlockEvent(True, stored))
         return out
 
-    def _apply_plan(self, plan: PreemptionPlan, blocking: str | None, by: str,
-                    for_tier: int) -> None:
-        ids = {r.req_id: i for i, r in enumerate(self.reqs)}
-        for v in plan.victims:
-            i = ids.get(v.req_id)
-            if i is None:
-                self._violations.append(Violation(
-                    Invariant.LEGAL_TRANSITIONS, f"plan names unknown request {v.req_id}"))
+    # -- the workers' side -------------------------------------------------
+
+    def _req_index(self, req_id: str) -> int:
+        return self.index[req_id]
+
+    def _step(self, w: int) -> None:
+        """Worker ``w`` starts its step of this tick: the plan, and what happens before
+        the forward (victims out, blocks for growth, swap-ins and recomputes)."""
+        self.stepped[w] = True
+        ws, acct = self.ws[w], self.accounts[w]
+        now = self.now
+        bs = self.scope.block_size
+        k = ws.num_decode_steps
+        growers = [lr.req.tier for lr in ws.decoding.values()
+                   if -(-(lr.num_computed + decode_tokens(lr, k)) // bs) > lr.num_blocks]
+        plan = ws.plan(now, acct.num_free + acct.num_cached)
+        self.running[w] = plan
+        for v in plan.preempt:
+            self._evict(w, v.req_id, v.mode, now, None, min(growers, default=None))
+        events: list[ReqEvent] = []
+        short: list[str] = []
+        for rid in plan.decodes:
+            lr = ws.local[rid]
+            need = -(-(lr.num_computed + decode_tokens(lr, k)) // bs) - acct.blocks_of(rid)
+            if need > 0 and not acct.allocate(rid, need):
+                short.append(rid)
+        for rid in plan.swap_in:
+            lr = ws.local[rid]
+            if not acct.allocate(rid, lr.num_blocks):
+                short.append(rid)
                 continue
-            r, a = self.reqs[i], self.aux[i]
-            w = self._index(r.decode_worker_id)
-            was = r.state
-            if was is S.DECODING:
-                if not self._move(i, S.PREEMPTING, _PREEMPT_DECISION[v.mode], by, blocking):
-                    continue
-                self._move(i, S.PREEMPTED, Decision.PREEMPT_DONE, by, blocking)
-            elif not self._move(i, S.PREEMPTED, Decision.PREEMPT_RECOMPUTE, by, blocking):
-                continue
-            self.num_preemptions += 1
-            if r.tier < for_tier:
-                self.num_inversions += 1
-            n = self.accounts[w].release(r.req_id) if w >= 0 else 0
-            self._unpin(i)
-            mode = v.mode if was is S.DECODING else PreemptMode.RECOMPUTE
-            if mode is PreemptMode.MIGRATE:
-                p = self._index(v.peer_id)
-                if p >= 0 and p != w and self.accounts[p].allocate(r.req_id, n):
-                    r.decode_worker_id = self.infos[p].worker_id
-                    a.migrate_to = p
-                    continue
-                mode = PreemptMode.RECOMPUTE
-            if mode is PreemptMode.SWAP:
-                a.swapped = True
-            else:
-                r.num_computed_tokens = 0
-                a.swapped = False
+            ws.swapped_in(rid, lr.num_blocks)
+            events.append(ReqEvent(rid, E.RESUMED_SWAP, now))
+        for rid, _ in plan.chunks:
+            lr = ws.local[rid]
+            if lr.num_blocks == 0:  # a recompute: all of its blocks when it starts
+                need = -(-(lr.num_computed + lr.num_prefill_left + 1) // bs)
+                if not acct.allocate(rid, need):
+                    short.append(rid)
+        if short:
+            self._violations.append(Violation(
+                Invariant.KV_BUDGET, f"w{w}: step at t={now:.3f} planned blocks the worker "
+                                     f"does not have for {', '.join(short)}"))
+        self._report(w, now, events)
+
+    def _tick(self) -> None:
+        end = self.now + self.scope.dt_s
+        for w, plan in enumerate(self.running):
+            if plan is not None:
+                self._end_step(w, plan, end)
+        n = self.scope.num_workers
+        self.running = [None] * n
+        self.stepped = [False] * n
+        self.tick += 1
+        self.at_tick_start = True
+        self.last_stop = -1
+        self.plan_due = len(self.cs.queue) > 0
+
+    def _end_step(self, w: int, plan: StepPlan, end: float) -> None:
+        """The step's forward ran: commit it, end what finished, apply the preemptions
+        that waited for it, and report."""
+        ws, acct = self.ws[w], self.accounts[w]
+        events: list[ReqEvent] = []
+        first = {rid for rid, _ in plan.chunks
+                 if (lr := ws.local.get(rid)) is not None and lr.req.first_token_time is None}
+        blocks = {rid: acct.blocks_of(rid) for rid in (*(c[0] for c in plan.chunks),
+                                                       *plan.decodes)}
+        done = ws.commit(plan, end, seconds=None, blocks=blocks)
+        for rid in done:
+            req = ws.local[rid].req
+            self._unpin(self._req_index(rid))
+            if rid in first and not self.aux[self._req_index(rid)].streamed:
+                self.ttfts[req.tier].append(end - req.arrival_time)
+            kind = E.RESUMED_RECOMPUTE if req.state is S.PREEMPTED else E.PREFILL_DONE
+            events.append(ReqEvent(rid, kind, end))
+        for rid in (*done, *plan.decodes):
+            lr = ws.local.get(rid)
+            if lr is not None and lr.req.num_output_tokens >= lr.req.max_new_tokens:
+                self._finish(w, rid, E.FINISHED_LENGTH, end, events)
+        self._report(w, end, events)
+        orders, self.deferred[w] = self.deferred[w], []
+        for p in orders:
+            self._evict(w, p.req_id, p.mode, end, p.for_req_id)
+
+    def _evict(self, w: int, rid: str, mode: PreemptMode, now: float, for_req: str | None,
+               for_tier: int | None = None) -> None:
+        """Preempt a decode here (a KV-pressure victim or a preemption for an arrival):
+        swap its blocks out or drop them and queue it for recompute here; report it at
+        once, so the scheduler's view of the request is current when it queues again."""
+        ws = self.ws[w]
+        lr = ws.decoding.get(rid)
+        if lr is None:
+            return  # no longer decoding here (finished, or preempted already)
+        req = lr.req
+        n = self.accounts[w].release(rid)
+        if mode is PreemptMode.SWAP:
+            ws.swap_out(rid)
+            lr.num_blocks = n
+            kind = E.PREEMPTED_SWAP
+        else:  # RECOMPUTE; MIGRATE needs a peer, which a step's victims never have
+            ws.remove(rid)
+            kind = E.PREEMPTED_RECOMPUTE
+        self.num_preemptions += 1
+        if for_req is not None:
+            blocker = self.cs.get(for_req)
+            for_tier = blocker.tier if blocker is not None else None
+        if for_tier is not None and req.tier < for_tier:
+            self.num_inversions += 1
+        self._report(w, now, [ReqEvent(rid, kind, now, for_req_id=for_req)])
+        if kind is E.PREEMPTED_RECOMPUTE and req.state is S.PREEMPTED:
+            req.num_computed_tokens = 0
+            ws.add_prefill(req, req.num_context_tokens, now)
+
+    def _finish(self, w: int, rid: str, kind: WorkerEvent, now: float,
+                events: list[ReqEvent]) -> None:
+        lr = self.ws[w].remove(rid)
+        if lr is None:
+            return
+        self.accounts[w].release(rid, keep_cached=len(lr.req.block_hashes))
+        self._unpin(self._req_index(rid))
+        events.append(ReqEvent(rid, kind, now))
+
+    def _drop(self, w: int, rid: str) -> None:
+        """An abort order: the worker forgets the request and frees its blocks."""
+        if w < 0:
+            return
+        self.ws[w].remove(rid)
+        self.accounts[w].release(rid)
+        self._unpin(self._req_index(rid))
 
     def _unpin(self, i: int) -> None:
         a = self.aux[i]
@@ -436,173 +646,44 @@ class World:
             self.prefix[a.pinned_on].release(self.reqs[i].block_hashes)
             a.pinned_on = -1
 
-    def _step(self, w: int) -> None:
-        self.stepped[w] = True
-        pol = self.policy
-        sc = self.scope
-        queue = pol.make_queue()
-        waiting = self._waiting_on(w)
-        for i in waiting:
-            queue.push(self.reqs[i], self.now)
-        ids = {self.reqs[i].req_id: i for i in waiting}
-        protected = pol.protected_hashes(self.reqs[i] for i in waiting)
-        budget = [sc.step_budget_tokens]
-        blocked = Verdict.SKIP if pol.skips_blocked else Verdict.STOP
-
-        def accept(req: Request) -> Verdict:
-            if budget[0] <= 0:
-                return Verdict.STOP
-            i = ids[req.req_id]
-            a = self.aux[i]
-            resume = req.state is S.PREEMPTED and a.swapped
-            need = req.num_blocks_needed(sc.block_size, 0 if resume else 1)
-            choice = pol.place_decode(req, need, self._decode_views(), self.infos[w])
-            if choice is None:
-                views = self._decode_views()
-                target = max(range(len(views)), key=lambda p: views[p].num_free_blocks)
-                plan = pol.preempt_for(req, need, views[target].num_free_blocks,
-                                       self._victim_views(target), self.now)
-                if plan is not None and plan.victims:
-                    self._apply_plan(plan, req.req_id, "preempt_for", req.tier)
-                    choice = pol.place_decode(req, need, self._decode_views(), self.infos[w])
-            if choice is None:
-                return blocked
-            d = self._index(choice.view.info.worker_id)
-            hits = 0
-            if not resume:
-                got = self.prefix[w].acquire(req.block_hashes, protected)
-                if got is None:
-                    return blocked
-                hits = got
-            if not self.accounts[d].allocate(req.req_id, need):
-                if not resume:
-                    self.prefix[w].release(req.block_hashes)
-                return blocked
-            req.decode_worker_id = self.infos[d].worker_id
-            if resume:
-                a.swapped = False
-                self._move(i, S.DECODING, Decision.RESUME_SWAP_IN, "step")
-                return Verdict.TAKE
-            if req.state is S.PREEMPTED:
-                self._move(i, S.QUEUED, Decision.RESUME_RECOMPUTE, "step")
-            a.pinned_on = w
-            req.num_computed_tokens = 0
-            new = max(req.num_context_tokens - hits * sc.block_size, 1)
-            ticks = max(1, math.ceil(self.ctx.est.prefill_s(new, hits * sc.block_size)
-                                     / sc.dt_s - 1e-9))
-            a.ready_tick = self.tick + ticks
-            budget[0] -= new
-            self._move(i, S.PREFILLING, Decision.SCHEDULE_PREFILL, "step", hits=hits)
-            return Verdict.TAKE
-
-        queue.take(self.now, accept)
-
-    def _finish(self, i: int, decision: Decision, to: RequestState) -> None:
-        r = self.reqs[i]
-        w = self._index(r.decode_worker_id)
-        if self._move(i, to, decision, "tick"):
-            if w >= 0:
-                self.accounts[w].release(r.req_id, keep_cached=len(r.block_hashes))
-            self._unpin(i)
-
-    def _tick(self) -> None:
-        sc = self.scope
-        self.tick += 1
-        now = self.now
-        pol = self.policy
-        phase = [r.state for r in self.reqs]
-        for i, r in enumerate(self.reqs):
-            a = self.aux[i]
-            if phase[i] is S.PREFILLING and r.state is S.PREFILLING and a.ready_tick <= self.tick:
-                self._unpin(i)
-                r.num_computed_tokens = r.num_context_tokens
-                r.num_output_tokens += 1
-                if r.first_token_time is None:
-                    r.first_token_time = now
-                    spec = self.tiers[r.tier]
-                    ttft = now - r.arrival_time
-                    self.ttfts[r.tier].append(ttft)
-                    pol.observe_latency(r.tier, ttft, spec.ttft_s or spec.deadline_s)
-                pol.record_served(r.tier, 1, self.ctx.est.decode_token_s(), now)
-                if r.num_output_tokens >= r.max_new_tokens:
-                    self._finish(i, Decision.FINISH_LENGTH, S.FINISHED_LENGTH)
-                elif r.decode_worker_id == r.prefill_worker_id:
-                    self._move(i, S.DECODING, Decision.START_DECODE, "tick")
-                else:
-                    a.ready_tick = self.tick + 1
-                    self._move(i, S.TRANSFERRING, Decision.START_TRANSFER, "tick")
-            elif phase[i] is S.TRANSFERRING and r.state is S.TRANSFERRING \
-                    and a.ready_tick <= self.tick:
-                self._move(i, S.DECODING, Decision.START_DECODE, "tick")
-            elif phase[i] is S.DECODING and r.state is S.DECODING:
-                self._decode(i)
-            elif r.state is S.PREEMPTED and a.migrate_to >= 0:
-                a.migrate_to = -1
-                self._move(i, S.DECODING, Decision.RESUME_MIGRATE, "tick")
-        waiting = [r for r in self.reqs if r.state in _WAITING]
-        pol.tick(now, waiting)
-        self.stepped = [False] * sc.num_workers
-        self.at_tick_start = True
-        self.last_stop = -1
-
-    def _decode(self, i: int) -> None:
-        sc = self.scope
-        r = self.reqs[i]
-        w = self._index(r.decode_worker_id)
-        acct = self.accounts[w]
-        k = min(sc.tokens_per_tick, r.max_new_tokens - r.num_output_tokens)
-        short = r.num_blocks_needed(sc.block_size, k) - acct.blocks_of(r.req_id)
-        if short > 0 and not acct.allocate(r.req_id, short):
-            lack = short - acct.num_free - acct.num_cached
-            plan = self.policy.on_kv_pressure(lack, self._victim_views(w, exclude=i), self.now,
-                                               r.tier)
-            if plan.victims:
-                self._apply_plan(plan, r.req_id, "kv_pressure", r.tier)
-            if r.state is not S.DECODING or not acct.allocate(r.req_id, short):
-                return  # stalled this tick: no blocks to grow into
-        r.num_output_tokens += k
-        r.num_computed_tokens = r.num_context_tokens - 1
-        self.policy.record_served(r.tier, k, k * self.ctx.est.decode_token_s(), self.now)
-        if r.num_output_tokens >= r.max_new_tokens:
-            self._finish(i, Decision.FINISH_LENGTH, S.FINISHED_LENGTH)
+    def _report(self, w: int, now: float, events: list[ReqEvent],
+                block_events: list[BlockEvent] | tuple[()] = ()) -> None:
+        """What worker ``w`` tells the scheduler after a step or an order: its events,
+        free blocks, running requests and prefix-cache changes."""
+        acct, ws = self.accounts[w], self.ws[w]
+        running = tuple(RunningReq(rid, acct.blocks_of(rid), lr.req.num_output_tokens,
+                                   lr.num_prefill_left)
+                        for rid, lr in ws.local.items() if not lr.is_swapped)
+        rep = WorkerReport(self.infos[w].worker_id, acct.num_free + acct.num_cached,
+                           acct.num_total_blocks, events=tuple(events),
+                           block_events=tuple(block_events), running=running)
+        self.cs.on_report(rep, now)
 
     def _stop(self, i: int) -> None:
-        self._finish(i, Decision.FINISH_STOP, S.FINISHED_STOPPED)
+        r = self.reqs[i]
+        w = self._index(r.decode_worker_id)
+        events: list[ReqEvent] = []
+        self._finish(w, r.req_id, E.FINISHED_STOP, self.now, events)
+        self._report(w, self.now, events)
+        self.plan_due = len(self.cs.queue) > 0
 
     def _fail(self, w: int) -> None:
         self.num_failures += 1
-        wid = self.infos[w].worker_id
-        for i, r in enumerate(self.reqs):
-            a = self.aux[i]
-            touches = wid in (r.prefill_worker_id, r.decode_worker_id)
-            if r.state is S.PREFILLING and (a.pinned_on == w or r.decode_worker_id == wid):
-                self._drop_for_retry(i, w, Decision.WORKER_FAILED)
-            elif r.state is S.TRANSFERRING and touches:
-                self._drop_for_retry(i, w, Decision.TRANSFER_FAILED)
-            elif r.state in (S.DECODING, S.PREEMPTING) and r.decode_worker_id == wid:
-                self._move(i, S.ABORTED, Decision.WORKER_FAILED, "worker_failure")
-            elif r.state is S.PREEMPTED and (a.migrate_to == w or (
-                    a.swapped and r.decode_worker_id == wid)):
-                # The swap copy or the migration target is gone: recompute.
-                if a.migrate_to == w:
-                    a.migrate_to = -1
-                a.swapped = False
-                r.num_computed_tokens = 0
-        self.accounts[w] = self.account_factory(wid, self.scope.blocks_per_worker)
-        self.prefix[w] = PrefixIndex(self.scope.blocks_per_worker)
-
-    def _drop_for_retry(self, i: int, failed: int, decision: Decision) -> None:
-        r = self.reqs[i]
-        d = self._index(r.decode_worker_id)
-        if not self._move(i, S.PREEMPTED, decision, "worker_failure"):
-            return
-        if d >= 0 and d != failed:
-            self.accounts[d].release(r.req_id)
-        if self.aux[i].pinned_on != failed:
-            self._unpin(i)
-        self.aux[i].pinned_on = -1
-        self.aux[i].swapped = False
-        r.num_computed_tokens = 0
+        info = self.infos[w]
+        self.cs.remove_worker(info.worker_id, self.now)
+        for a in self.aux:
+            if a.pinned_on == w:
+                a.pinned_on = -1
+        blocks = self.scope.blocks_per_worker
+        self.accounts[w] = self.account_factory(info.worker_id, blocks)
+        self.prefix[w] = PrefixIndex(blocks)
+        self._prefix_changed = True
+        self.announced[w] = set()
+        self.ws[w] = self._new_worker_scheduler(w)
+        self.running[w] = None
+        self.deferred[w] = []
+        self.cs.add_worker(info, blocks, can_prefill=True, can_decode=True)
+        self.plan_due = True
 
     # -- invariants --------------------------------------------------------
 
@@ -614,13 +695,17 @@ class World:
         out += self._check_ownership()
         out += check_shares(self.policy.shares)
         for r, a in zip(self.reqs, self.aux, strict=True):
-            out += self._check_new_records(r, a)
+            if len(r.history) > a.num_checked:
+                out += self._check_new_records(r, a)
         if not clock_moved:
             return out
-        out += check_starvation(self.reqs, self.now, self.tiers)
-        for r in self.reqs:
+        submitted = {r.req_id: a.submitted for r, a in zip(self.reqs, self.aux, strict=True)
+                     if a.num_attempts > 1}
+        out += check_starvation(self.reqs, self.now, self.tiers, submitted)
+        for r, a in zip(self.reqs, self.aux, strict=True):
             if r.state in _WAITING:
-                waited = self.now - (r.history[-1].time if r.history else r.arrival_time)
+                since = r.history[-1].time if r.history else r.arrival_time
+                waited = self.now - max(since, a.submitted)
                 if waited > self.max_wait_s[r.tier]:
                     self.max_wait_s[r.tier] = waited
         return out
@@ -652,35 +737,38 @@ class World:
 
     def _check_ownership(self) -> list[Violation]:
         out = []
-        by_id: dict[str, tuple[Request, Aux]] | None = None
         for w, acct in enumerate(self.accounts):
             wid = self.infos[w].worker_id
             for req_id, n in acct.owned.items():
-                if by_id is None:
-                    by_id = {r.req_id: (r, a) for r, a in zip(self.reqs, self.aux, strict=True)}
-                entry = by_id.get(req_id)
-                ok = entry is not None and entry[0].decode_worker_id == wid and (
-                    entry[0].state in _HOLDS_BLOCKS or entry[1].migrate_to == w)
+                r = self.reqs[self._req_index(req_id)]
+                ok = (r.decode_worker_id == wid and r.state not in _DONE
+                      and req_id in self.ws[w].local)
                 if not ok or n <= 0:
-                    state = entry[0].state.value if entry else "unknown"
                     out.append(Violation(Invariant.KV_BUDGET,
-                                         f"{wid}: {n} blocks owned by {req_id} ({state})"))
+                                         f"{wid}: {n} blocks owned by {req_id} ({r.state.value})"))
         for r, a in zip(self.reqs, self.aux, strict=True):
             if r.state in _HOLDS_BLOCKS:
                 d = self._index(r.decode_worker_id)
                 if d < 0 or self.accounts[d].blocks_of(r.req_id) <= 0:
                     out.append(Violation(Invariant.KV_BUDGET,
                                          f"{r.req_id} is {r.state.value} but holds no blocks"))
-            if a.pinned_on >= 0:
+            if a.pinned_on >= 0 and self._prefix_changed:
                 idx = self.prefix[a.pinned_on]
                 lost = [h for h in r.block_hashes if h not in idx]
                 if lost:
                     out.append(Violation(Invariant.KV_BUDGET,
                                          f"w{a.pinned_on} prefix index evicted blocks {lost} "
                                          f"pinned by {r.req_id} ({r.state.value})"))
+        self._prefix_changed = False
         for p, idx in enumerate(self.prefix):
             if idx.num_cached > idx.capacity or idx.num_evictable > idx.num_cached:
                 out.append(Violation(Invariant.KV_BUDGET,
                                      f"w{p} prefix index: {idx.num_cached} entries, "
                                      f"{idx.num_evictable} evictable, capacity {idx.capacity}"))
         return out
+
+
+def copy_shallow(world: World) -> World:
+    new = object.__new__(World)
+    new.__dict__.update(world.__dict__)
+    return new

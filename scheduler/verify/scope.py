@@ -89,6 +89,8 @@ class Scope:
     starvation_s: tuple[float, ...] | None = None
     prefill_per_token_s: float = 1e-4
     decode_per_token_s: float = 0.02
+    # Routers retry the requests a worker failure ended (cluster.backend's retries).
+    retries: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "num_workers", "blocks_per_worker", "arrival_ticks",

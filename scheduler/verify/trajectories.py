@@ -2,11 +2,12 @@
 
 Each trajectory draws a workload from a seed (3 to 10 requests across the
 tiers, prompt and output lengths, Poisson-like gaps with bursts), then drives a
-:class:`scheduler.verify.model.World` tick by tick: due arrivals, random early
-stops and at most one worker failure at the tick start, each worker's step in
-random order, sometimes a failure after the steps, then the clock tick. The
-invariants are checked after every event; the first violation ends the
-trajectory and is kept as a counterexample (seed and event trace).
+:class:`scheduler.verify.model.World` tick by tick: random early stops and at
+most one worker failure at the tick start, due arrivals, the cluster
+scheduler's plan when one is due, sometimes a failure after it (and its plan),
+then the clock tick (every worker's step). The invariants are checked after
+every event; the first violation ends the trajectory and is kept as a
+counterexample (seed and event trace).
 
 The soft invariant is tier 0's P99 TTFT within its target, per trajectory that
 has tier-0 requests (a request still without a first token at the end counts
@@ -50,6 +51,7 @@ class WorkloadSpec:
     burst_prob: float = 0.25  # an arrival brings 2 to 4 requests at once
     stop_prob: float = 0.05  # per decoding request per tick
     fail_prob: float = 0.02  # per tick, while the scope allows a failure
+    plan_first_prob: float = 0.7  # the plan runs before the workers step (else among them)
     shared_prefix_prob: float = 0.6  # the prompt starts with the common system block
     follow_up_prob: float = 0.3  # the prompt extends an earlier request's prompt
 
@@ -62,11 +64,13 @@ class WorkloadSpec:
 
 def trajectory_scope(num_tiers: int = 4, policy: str = "tierserve") -> Scope:
     """A small 2-worker cluster on a 50 ms clock: tier 0's 200 ms TTFT is 4 ticks,
-    the 1 s anti-thrash window 20 ticks; 24 KV blocks per worker of 16 tokens."""
+    the 1 s anti-thrash window 20 ticks; 24 KV blocks per worker of 16 tokens; the
+    routers retry what a worker failure ends."""
     return Scope(max_requests=64, num_tiers=num_tiers, blocks_per_worker=24, num_workers=2,
                  max_failures=1, max_stops=64, dt_s=0.05, arrival_ticks=10_000,
                  max_ticks=600, block_size=16, tokens_per_tick=10, step_budget_tokens=512,
-                 policy=policy, prefill_per_token_s=2e-4, decode_per_token_s=0.005)
+                 policy=policy, prefill_per_token_s=2e-4, decode_per_token_s=0.005,
+                 retries=True)
 
 
 @dataclass(slots=True)
@@ -74,6 +78,9 @@ class TrajectoryOutcome:
     num_events: int
     num_preemptions: int
     num_inversions: int
+    # Selections that passed a hopeless request over for a less urgent tier's feasible
+    # work (a violation for a policy that keeps the tier order; counted for the others).
+    num_tier_inversions: int
     violations: list[Violation]
     trace: list[str]
     tier0_ok: bool | None
@@ -89,6 +96,8 @@ class TrajectoryResult:
     tier0_ok: int = 0
     preemptions: int = 0
     inversions: int = 0  # preemptions of a more urgent tier than the request served
+    tier_inversions: int = 0  # selections that passed over a hopeless more urgent request
+    tier_inversion_trajectories: int = 0  # trajectories with at least one
     counterexamples: list[dict[str, object]] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -115,6 +124,8 @@ class TrajectoryResult:
         self.tier0_ok += other.tier0_ok
         self.preemptions += other.preemptions
         self.inversions += other.inversions
+        self.tier_inversions += other.tier_inversions
+        self.tier_inversion_trajectories += other.tier_inversion_trajectories
         room = MAX_KEPT_COUNTEREXAMPLES - len(self.counterexamples)
         self.counterexamples.extend(other.counterexamples[:max(room, 0)])
 
@@ -124,6 +135,8 @@ class TrajectoryResult:
                               "tier0_trajectories": self.tier0_trajectories,
                               "tier0_ok": self.tier0_ok, "preemptions": self.preemptions,
                               "inversions": self.inversions,
+                              "tier_inversions": self.tier_inversions,
+                              "tier_inversion_trajectories": self.tier_inversion_trajectories,
                               "counterexamples": self.counterexamples})
 
     @classmethod
@@ -133,6 +146,8 @@ class TrajectoryResult:
                    violations=dict(d["violations"]),
                    tier0_trajectories=d["tier0_trajectories"], tier0_ok=d["tier0_ok"],
                    preemptions=d["preemptions"], inversions=d["inversions"],
+                   tier_inversions=d["tier_inversions"],
+                   tier_inversion_trajectories=d["tier_inversion_trajectories"],
                    counterexamples=list(d["counterexamples"]))
 
 
@@ -192,6 +207,21 @@ def run_one(seed: int, scope: Scope, spec: WorkloadSpec, *,
         found.extend(world.apply(ev))
         return bool(found)
 
+    def settle(order: list[Event]) -> bool:
+        """Run ``order`` where enabled, then whatever must happen before the tick (a due
+        plan, the steps of workers that have work). True: a violation."""
+        for ev in order:
+            due = world.plan_due if ev.kind is EventKind.PLAN else world.has_waiting(ev.worker)
+            if due and do(ev):
+                return True
+        while world.plan_due or any(world.has_waiting(w) for w in range(scope.num_workers)):
+            ev = (Event(EventKind.PLAN) if world.plan_due else
+                  Event(EventKind.STEP, worker=next(w for w in range(scope.num_workers)
+                                                    if world.has_waiting(w))))
+            if do(ev):
+                return True
+        return False
+
     while True:
         if world.failures_left() and rng.random() < spec.fail_prob / 2:
             busy = [w for w in range(scope.num_workers) if world.worker_busy(w)]
@@ -209,22 +239,26 @@ def run_one(seed: int, scope: Scope, spec: WorkloadSpec, *,
             nxt += 1
         if found:
             break
-        order = list(range(scope.num_workers))
+        # The plan and the workers' steps in random order (a worker that steps before
+        # the plan leaves its new dispatches for the next tick).
+        order = [Event(EventKind.STEP, worker=w) for w in range(scope.num_workers)]
         rng.shuffle(order)
-        for w in order:
-            if world.has_waiting(w) and do(Event(EventKind.STEP, worker=w)):
-                break
-        if found:
+        order.insert(0 if rng.random() < spec.plan_first_prob else rng.randint(1, len(order)),
+                     Event(EventKind.PLAN))
+        if settle(order):
             break
         if world.failures_left() and rng.random() < spec.fail_prob / 2:
             busy = [w for w in range(scope.num_workers) if world.worker_busy(w)]
             if busy and do(Event(EventKind.FAIL, worker=rng.choice(busy))):
                 break
+            if settle([]):
+                break
         if (nxt >= len(arrivals) and not world.live()) or world.tick >= scope.max_ticks:
             break
         if do(Event(EventKind.TICK)):
             break
-    return TrajectoryOutcome(len(events), world.num_preemptions, world.num_inversions, found,
+    return TrajectoryOutcome(len(events), world.num_preemptions, world.num_inversions,
+                             world.sink.num_inversions, found,
                              _labels(events, scope) if found else [],
                              _tier0_ok(world))
 
@@ -241,6 +275,10 @@ def _labels(events: list[tuple[float, Event]], scope: Scope) -> list[str]:
             out.append(f"{t} tick")
         elif ev.kind is EventKind.STOP:
             out.append(f"{t} stop r{ev.req}")
+        elif ev.kind is EventKind.PLAN:
+            out.append(f"{t} plan")
+        elif ev.kind is EventKind.STEP:
+            out.append(f"{t} step w{ev.worker}")
         else:
             out.append(f"{t} {ev.kind.value} w{ev.worker}")
     return out
@@ -249,8 +287,9 @@ def _labels(events: list[tuple[float, Event]], scope: Scope) -> list[str]:
 def _tier0_ok(world: World) -> bool | None:
     target = world.tiers[0].ttft_s or world.tiers[0].deadline_s
     ttfts = list(world.ttfts[0])
-    for r in world.reqs:
-        if r.tier == 0 and r.first_token_time is None and not r.state.is_finished:
+    for r, a in zip(world.reqs, world.aux, strict=True):
+        if (r.tier == 0 and r.first_token_time is None and not r.state.is_finished
+                and not a.streamed):
             ttfts.append(world.now - r.arrival_time)
     if not ttfts:
         return None
@@ -268,6 +307,8 @@ def run_range(start: int, count: int, scope: Scope, spec: WorkloadSpec, *,
         res.states += out.num_events
         res.preemptions += out.num_preemptions
         res.inversions += out.num_inversions
+        res.tier_inversions += out.num_tier_inversions
+        res.tier_inversion_trajectories += int(out.num_tier_inversions > 0)
         if out.violations:
             for inv in {v.invariant.value for v in out.violations}:
                 res.violations[inv] += 1

@@ -206,3 +206,24 @@ def test_a_prompt_no_worker_could_ever_hold_is_refused_at_once() -> None:
     cs = make_cluster(decode_blocks=16)
     adm = submit(cs, "huge", 1, 16 * 16, now=0.0)  # 257 tokens with its first output: 17 blocks
     assert adm.outcome is SubmitOutcome.INVALID and "16" in adm.reason
+
+
+def test_on_pick_reports_the_dispatch_order_and_who_found_no_room() -> None:
+    picks = []
+    cs = ClusterScheduler(cpu_tiers(), "tierserve", BS, make_costs(), on_pick=picks.append)
+    cs.add_worker(WorkerInfo("p0", WorkerRole.PREFILL, "n", "cpu", "A", 256), 256,
+                  can_prefill=True, can_decode=False)
+    cs.add_worker(WorkerInfo("d0", WorkerRole.DECODE, "n", "cpu", "A", 64), 64,
+                  can_prefill=False, can_decode=True)
+    submit(cs, "occupant", 1, 600, now=0.0)  # 38 blocks
+    assert dispatch_all(cs, 0.0) == ["occupant"]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("occupant", WorkerEvent.PREFILL_DONE, 0.05),)), 0.05)
+    picks.clear()
+    submit(cs, "big", 1, 420, now=0.1)  # 27 blocks: more than the 26 left
+    submit(cs, "small", 1, 10, now=0.15)
+    plan = cs.plan(0.2)
+    assert [d.req_id for d in plan.dispatches] == ["small"]
+    (pick,) = picks
+    assert pick.site.value == "dispatch" and pick.now == 0.2 and pick.rest == ()
+    assert [(r.req_id, v.value) for r, v in pick.offers] == [("big", "skip"), ("small", "take")]

@@ -1,4 +1,4 @@
-"""Statistical model checking: random workloads through the real kernel."""
+"""Statistical model checking: random workloads through the real drivers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.verify import cli
-from scheduler.verify.faults import OverbookingAccount, thrashing_policy
+from scheduler.verify.faults import OverbookingAccount, inverting_policy, thrashing_policy
 from scheduler.verify.trajectories import (
     TrajectoryResult,
     WorkloadSpec,
@@ -70,11 +70,37 @@ def test_injected_faults_are_caught_and_reproducible() -> None:
     assert thrash.violations["anti_thrash"] > 0
 
 
+def test_tier_order_holds_for_tierserve_and_the_inversion_fault_is_caught() -> None:
+    clean = run_trajectories(300, seed=0, processes=1)
+    assert clean.violations["tier_inversion"] == 0 and clean.tier_inversions == 0
+    bad = run_trajectories(300, seed=0, policy_factory=inverting_policy, processes=1)
+    assert bad.violations["tier_inversion"] > 0
+    cex = next(c for c in bad.counterexamples if c["invariant"] == "tier_inversion")
+    assert "taken before" in str(cex["detail"]) and cex["trace"]
+    again = run_one(int(cex["seed"]), trajectory_scope(), WorkloadSpec(),  # type: ignore[call-overload]
+                    policy_factory=inverting_policy)
+    assert again.violations and again.violations[0].detail == cex["detail"]
+
+
+def test_peer_policies_may_invert_tiers_and_are_counted_not_failed(tmp_path: Path) -> None:
+    res = run_trajectories(300, seed=0, processes=1, scope=trajectory_scope(policy="vllm-fcfs"))
+    assert res.tier_inversions > 0 and res.tier_inversion_trajectories > 0
+    assert res.violations["tier_inversion"] == 0
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    out = tmp_path / "fcfs.json"
+    cli.run(p.parse_args(["--trajectories", "60", "--policy", "vllm-fcfs", "--json", str(out),
+                          "--processes", "1"]))
+    d = json.loads(out.read_text())
+    assert d["violations"]["tier_inversion"] == 0 and "tier_inversions" in d
+
+
 def test_wire_format_round_trips() -> None:
     res = run_trajectories(5, seed=2, account_factory=OverbookingAccount, processes=1)
     back = TrajectoryResult.from_wire(res.to_wire())
-    assert (back.trajectories, back.states, back.violations, back.counterexamples) == (
-        res.trajectories, res.states, res.violations, res.counterexamples)
+    assert (back.trajectories, back.states, back.violations, back.counterexamples,
+            back.tier_inversions) == (res.trajectories, res.states, res.violations,
+                                      res.counterexamples, res.tier_inversions)
 
 
 def test_workload_spec_validation() -> None:
