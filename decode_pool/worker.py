@@ -143,6 +143,7 @@ class DecodeWorker:
     async def dispatch(self, msg: Dispatch) -> DispatchAnswer:
         spec = msg.spec
         rid = spec.req_id
+        self.sched.release_hold(rid)  # room freed for it by a preemption is its now
         if rid in self._reqs or rid in self._tombstones:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="known id")
         prompt = list(spec.prompt_token_ids)
@@ -258,6 +259,7 @@ class DecodeWorker:
         r = self._reqs.get(req_id)
         if r is None or r.stage is not Stage.DECODING:
             return False
+        free_before = self.engine.num_free_blocks
         if mode == PreemptMode.SWAP.value:
             ok = await self._thread.call(self.engine.swap_out, req_id)
             if ok:
@@ -271,6 +273,8 @@ class DecodeWorker:
                 self.sched.recompute(req_id, time.time())
                 self._event(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
         r.kreq.last_preempt_time = time.time()
+        if ok and for_req_id is not None:
+            self.sched.hold_for(for_req_id, self.engine.num_free_blocks - free_before, time.time())
         self._wake.set()
         return bool(ok)
 

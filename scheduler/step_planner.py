@@ -54,6 +54,9 @@ class SchedulingPolicy(Protocol):
 
     def compose_step(self, view: StepView) -> StepPlan: ...
 
+# Blocks a preemption freed for an arrival stay out of this worker's own plans (no swap-in,
+# no local admission takes them) until that arrival is dispatched here, or this long.
+HOLD_S = 2.0
 # A step that has prefills waiting gives the most urgent one at least this many tokens,
 # even when the decodes alone fill the time budget: TTFT always progresses.
 MIN_CHUNK_TOKENS = 32
@@ -425,6 +428,7 @@ class WorkerScheduler:
         self.decoding: dict[str, LocalRequest] = {}
         self.swapped: dict[str, LocalRequest] = {}
         self._inflight: dict[str, int] = {}  # planned chunks not yet committed
+        self._holds: dict[str, tuple[int, float]] = {}  # arrival -> (blocks, until)
         self.num_steps = 0
 
     # -- membership ------------------------------------------------------------------
@@ -478,6 +482,21 @@ class WorkerScheduler:
             lr.num_blocks = num_blocks
             self.decoding[req_id] = lr
 
+    def hold_for(self, req_id: str, num_blocks: int, now: float) -> None:
+        """A preemption freed ``num_blocks`` here for ``req_id``: keep them for it (else
+        the victim would swap straight back in before the arrival is placed)."""
+        if num_blocks > 0:
+            self._holds[req_id] = (num_blocks, now + HOLD_S)
+
+    def release_hold(self, req_id: str) -> None:
+        """``req_id`` arrived (or went elsewhere): its held blocks are plain free ones."""
+        self._holds.pop(req_id, None)
+
+    def num_held(self, now: float) -> int:
+        for rid in [r for r, (_, until) in self._holds.items() if until <= now]:
+            del self._holds[rid]
+        return sum(n for n, _ in self._holds.values())
+
     def has_work(self) -> bool:
         return bool(self.decoding or len(self.queue) or self.swapped or self._inflight)
 
@@ -488,6 +507,8 @@ class WorkerScheduler:
     # -- stepping --------------------------------------------------------------------
 
     def plan(self, now: float, num_free_blocks: int) -> StepPlan:
+        if self._holds:
+            num_free_blocks = max(0, num_free_blocks - self.num_held(now))
         view = StepView(now, self.worker, list(self.decoding.values()), self.queue, self.local,
                         list(self.swapped.values()), num_free_blocks, self.block_size,
                         self.costs, self.max_num_seqs, self.max_num_batched_tokens,

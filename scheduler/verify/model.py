@@ -475,6 +475,7 @@ class World:
         acct, idx = self.accounts[w], self.prefix[w]
         req = self.cs.get(d.req_id)
         assert req is not None
+        self.ws[w].release_hold(req.req_id)
         hits: int | None = None
         if acct.allocate(req.req_id, d.num_blocks):
             hits = idx.acquire(req.block_hashes,
@@ -614,6 +615,7 @@ class World:
             kind = E.PREEMPTED_RECOMPUTE
         self.num_preemptions += 1
         if for_req is not None:
+            ws.hold_for(for_req, n, now)
             blocker = self.cs.get(for_req)
             for_tier = blocker.tier if blocker is not None else None
         if for_tier is not None and req.tier < for_tier:

@@ -159,7 +159,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     denom = 1.0 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 or 1 the bound is exactly that end (rounding must not leave p outside).
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return lo, hi
 
 
 def p99(xs: list[float]) -> float:

@@ -118,3 +118,18 @@ def test_commit_advances_chunks_and_hands_finished_prefills_to_decoding() -> Non
     w.commit(nxt, 0.3, seconds=0.05)
     assert r.num_output_tokens == 2
     assert w.costs.num_observed == 2
+
+
+def test_blocks_freed_for_an_arrival_are_not_taken_back_by_the_victim() -> None:
+    w = make_worker()
+    decoding(w, "victim", 3)
+    w.swap_out("victim")  # a preemption for the tier-0 arrival "x" freed its 8 blocks
+    w.hold_for("x", 8, now=1.0)
+    assert w.plan(1.1, 8).swap_in == ()  # held for "x": no swap-in
+    w.release_hold("x")  # "x" was dispatched here
+    assert w.plan(1.2, 16).swap_in == ("victim",)
+    w2 = make_worker()
+    decoding(w2, "victim", 3)
+    w2.swap_out("victim")
+    w2.hold_for("x", 8, now=1.0)
+    assert w2.plan(3.5, 8).swap_in == ("victim",)  # the hold expired: "x" went elsewhere
