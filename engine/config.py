@@ -69,6 +69,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # The native CPU kernels (engine.kernels, built on first use); False, or no compiler on
+    # the machine: torch ops only (same greedy tokens, slower decode).
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
         DTypeChoice(self.dtype)  # raises ValueError naming the bad value

@@ -72,7 +72,7 @@ class LLMEngine:
         self.pool = BlockPool(
             **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, use_kernel=config.native_kernels)
         self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}
