@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_device
 from engine.errors import PromptTooLong
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
@@ -46,6 +46,7 @@ class LLMEngine:
         tokenizer: object | None = None,
     ) -> None:
         self.config = config
+        check_device(config.torch_device)
         if model is None:
             model, loaded_tokenizer = load_model(config.model, config.dtype, config.device)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
