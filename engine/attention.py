@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import PagedAttentionKernel
+from engine.kernels import NativeKernels
 
 
 @dataclass(slots=True)
@@ -124,9 +124,8 @@ class StepMeta:
 class PagedAttention:
     """The attention of every layer: K/V into the pool, then table rows and long chunks."""
 
-    def __init__(self, kernel: PagedAttentionKernel | None) -> None:
+    def __init__(self, kernel: NativeKernels | None) -> None:
         self.kernel = kernel
-        self.num_threads = 1  # the kernel's OpenMP threads (the runner sets torch's count)
 
     def forward(
         self,
@@ -137,25 +136,27 @@ class PagedAttention:
         meta: StepMeta,
         sliding_window: int | None,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """The attention output [T, Hq * D]."""
+        """The attention output [T, Hq * D] (``kv_written``: the caller already put this
+        step's K and V into the pool, as the fused rotary kernel does)."""
         kv = meta.kv
         block_size = kv.shape[3]
         num_tokens, num_q_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         num_groups = num_q_heads // num_kv_heads
 
-        rows = kv.view(-1, num_kv_heads, head_dim)
-        k_rows = meta.slot_rows + layer * 2 * block_size
-        rows.index_copy_(0, k_rows, key)
-        rows.index_copy_(0, k_rows + block_size, value)
+        if not kv_written:
+            rows = kv.view(-1, num_kv_heads, head_dim)
+            k_rows = meta.slot_rows + layer * 2 * block_size
+            rows.index_copy_(0, k_rows, key)
+            rows.index_copy_(0, k_rows + block_size, value)
 
         out = query.new_empty(num_tokens, num_q_heads, head_dim)
         num_table = meta.num_table_rows
         if num_table and meta.block_tables is not None and self.kernel is not None:
             self.kernel.attend(query[:num_table], kv, layer, meta.block_tables, meta.row_seq,
-                               meta.row_pos, sliding_window, scale, out[:num_table],
-                               self.num_threads)
+                               meta.row_pos, sliding_window, scale, out[:num_table])
         elif num_table:
             self._decode_groups(layer, query, meta, sliding_window, scale, out)
         layer_k, layer_v = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, Hkv, D]

@@ -251,8 +251,10 @@ class LLMEngine:
         token_ids: list[int] = []
         logprobs: list[float] = []
         if sampled:
+            kernels = self.runner.kernels
             token_ids, logprobs = sample(
-                logits, [r.params for r in sampled], [r.generator for r in sampled]
+                logits, [r.params for r in sampled], [r.generator for r in sampled],
+                argmax=None if kernels is None else kernels.argmax,
             )
         sample_index = 0
         for req, work in scheduled:

@@ -63,6 +63,7 @@ class LayerWeights:
     gate_up: Projection  # [2 * intermediate, hidden]
     down: Projection
     act: object  # the MLP's activation module (SiLU for all three families)
+    is_silu: bool
     sliding_window: int | None
 
 
@@ -88,10 +89,18 @@ class LlamaFamilyForward:
         self.layers = [_cached(layer, pack, lambda layer=layer: _layer_weights(layer, config, pack))
                        for layer in base.layers]
         self.scaling = float(base.layers[0].self_attn.scaling)
+        kernels = attention.kernel
+        # The fused bf16 path (engine.kernels.fused_ops): one kernel for each of residual
+        # add + norm, rotary + KV write, SiLU * up. float32 keeps torch's ops, op for op.
+        self.fused = (kernels is not None and self.embed.dtype == torch.bfloat16
+                      and self.embed.device.type == "cpu" and self.head_dim % 2 == 0)
+        self.fused_mlp = self.fused and all(w.is_silu for w in self.layers)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                  sample_rows: torch.Tensor | None) -> torch.Tensor:
+        if self.fused:
+            return self._fused(input_ids, positions, meta, sample_rows)
         num_tokens = input_ids.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(input_ids, self.embed)
@@ -118,6 +127,40 @@ class LlamaFamilyForward:
         if sample_rows is not None:
             x = x.index_select(0, sample_rows)
         return self.lm_head(_rms_norm(x, self.final_norm, self.eps))
+
+
+    def _fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
+               sample_rows: torch.Tensor | None) -> torch.Tensor:
+        kernels = self.attention.kernel
+        assert kernels is not None
+        num_tokens = input_ids.shape[0]
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(x, positions.unsqueeze(0))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
+        q_width, kv_width = hq * d, hkv * d
+        attention = self.attention
+        delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to x
+        for index, w in enumerate(self.layers):
+            h = kernels.add_rms_norm(x, delta, w.input_norm, self.eps)
+            qkv = w.qkv(h)
+            kernels.rope_store(qkv, hq, hkv, d, cos, sin, meta.kv, meta.slot_rows, index)
+            q = qkv[:, :q_width].view(num_tokens, hq, d)
+            k = qkv[:, q_width : q_width + kv_width].view(num_tokens, hkv, d)
+            v = qkv[:, q_width + kv_width :].view(num_tokens, hkv, d)
+            out = attention.forward(index, q, k, v, meta, w.sliding_window, self.scaling,
+                                    kv_written=True)
+            h = kernels.add_rms_norm(x, w.o(out), w.post_norm, self.eps)
+            gate_up = w.gate_up(h)
+            if self.fused_mlp:
+                act = kernels.silu_mul(gate_up)
+            else:
+                inter = gate_up.shape[-1] // 2
+                act = w.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            delta = w.down(act)
+        if sample_rows is not None:
+            x, delta = x.index_select(0, sample_rows), delta.index_select(0, sample_rows)
+        return self.lm_head(kernels.add_rms_norm(x, delta, self.final_norm, self.eps))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,6 +197,8 @@ def _layer_weights(layer: torch.nn.Module, config: object, pack: bool) -> LayerW
         gate_up=Projection(*_fuse([mlp.gate_proj, mlp.up_proj]), pack),
         down=Projection(mlp.down_proj.weight, mlp.down_proj.bias, pack),
         act=mlp.act_fn,
+        is_silu=isinstance(mlp.act_fn, torch.nn.SiLU)
+        or type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU"),
         sliding_window=int(window) if window else None,
     )
 

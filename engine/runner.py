@@ -61,6 +61,10 @@ class ModelRunner:
     def uses_kernel(self) -> bool:
         return self.attention.kernel is not None
 
+    @property
+    def kernels(self):  # -> NativeKernels | None
+        return self.attention.kernel
+
     @torch.inference_mode()
     def execute(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]) -> torch.Tensor:
         """Forward ``decodes`` (one token each) then ``chunks``.
@@ -68,7 +72,8 @@ class ModelRunner:
         Returns the logits [num_sampled, vocab] of the works with ``sample`` set, in the order
         given (decodes first, then chunks).
         """
-        self.attention.num_threads = torch.get_num_threads()
+        if self.attention.kernel is not None:
+            self.attention.kernel.num_threads = torch.get_num_threads()
         if self.uses_kernel:
             meta, input_ids, positions, sample_rows = self._kernel_step(decodes, chunks)
         else:

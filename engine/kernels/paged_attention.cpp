@@ -19,55 +19,16 @@
 #include <vector>
 #include <algorithm>
 
+#include "simd.h"
+
 namespace {
 
+using namespace tierserve;
+
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
+inline float to_float(uint16_t x) { return bf16_to_f32(x); }
 inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, uint16_t* out) {
-    // round to nearest even, as torch does for float -> bfloat16 (NaN kept a NaN)
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        *out = static_cast<uint16_t>((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    *out = static_cast<uint16_t>(bits >> 16);
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define TIERSERVE_AVX512 1
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, 2^n by vscalefps.
-inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, n);
-}
-#endif
+inline void from_float(float x, uint16_t* out) { *out = f32_to_bf16(x); }
 
 template <typename T>
 inline const T* key_row(const T* kv, const int32_t* table, int64_t t, int64_t block_size,
