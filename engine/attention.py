@@ -7,7 +7,8 @@ One forward runs one packed step: every scheduled token of every request, flatte
     rows [0, num_table_rows)        "table rows": decodes first, then short prefill chunks;
                                     each row attends to its own sequence's keys 0..pos
                                     read through the block table
-    rows [num_table_rows, total)    long prefill chunks (PrefillChunk), one SDPA each
+    rows [num_table_rows, total)    long prefill chunks (PrefillChunk): the native bf16
+                                    flash kernel where it runs, else one SDPA each
 
 Per layer, :meth:`PagedAttention.forward`:
 
@@ -18,9 +19,11 @@ Per layer, :meth:`PagedAttention.forward`:
    tables, with no gather, padding or mask. Where the kernel cannot be built, decode rows
    go through the torch path instead: rows sorted by context length in a few groups, each
    group's blocks gathered with one ``index_select`` and attended with one masked SDPA;
-3. each long chunk: attends causally to its own tokens and to the request's cached prefix
-   (gathered from its blocks); a chunk with no prefix attends to its own K/V directly, in
-   the same SDPA call transformers makes.
+3. each long chunk: attends causally to its own tokens and to the request's cached prefix.
+   bf16 with the native kernels: the flash kernel reads them through the block table
+   (``PrefillChunk.block_table``). Otherwise SDPA: the prefix is gathered from its blocks;
+   a chunk with no prefix attends to its own K/V directly, in the same SDPA call
+   transformers makes (float32 stays token-identical to ``generate``).
 
 Sliding-window layers (Mistral, some Qwen2) get the window in the kernel and in the masks.
 """
@@ -59,6 +62,8 @@ class PrefillChunk:
     context_len: int  # tokens of this request with KV after the chunk (prefix + chunk)
     block_ids: torch.Tensor | None  # blocks covering context_len; None when there is no prefix
     positions: torch.Tensor  # [end - start] query positions (for masks)
+    # the flash kernel's int32 block table (covering context_len); None: the SDPA path
+    block_table: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -161,6 +166,14 @@ class PagedAttention:
             self._decode_groups(layer, query, meta, sliding_window, scale, out)
         layer_k, layer_v = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, block_size, Hkv, D]
         for index, chunk in enumerate(meta.chunks):
+            if chunk.block_table is not None and self.kernel is not None:
+                first_pos = chunk.context_len - (chunk.end - chunk.start)
+                if self.kernel.prefill_attend(query[chunk.start : chunk.end], kv, layer,
+                                              chunk.block_table, first_pos, sliding_window,
+                                              scale, out[chunk.start : chunk.end]):
+                    continue
+                if chunk.context_len > chunk.end - chunk.start:  # declined (head_dim): SDPA
+                    chunk.block_ids = chunk.block_table.long()
             q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             if chunk.block_ids is None:
                 k = key[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)

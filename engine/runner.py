@@ -24,9 +24,11 @@ from engine.block_pool import BlockPool
 from engine.forward import LlamaFamilyForward
 from engine.kernels import load_kernels
 
-# Chunks up to this many tokens go to the native kernel with the decodes; longer ones to
-# SDPA, whose blocked GEMMs win once a chunk has many queries (engine/README.md).
+# Chunks up to this many tokens go to the native row kernel with the decodes; longer ones
+# to the bf16 flash kernel (faster from ~8 tokens on), or to SDPA (float32, whose blocked
+# GEMMs win over the row kernel from ~32 tokens on); engine/README.md has the figures.
 KERNEL_MAX_CHUNK = 32
+KERNEL_MAX_CHUNK_FLASH = 4
 
 
 @dataclass(slots=True)
@@ -54,6 +56,8 @@ class ModelRunner:
             kernel = load_kernels()
             if kernel is not None and not kernel.supports(layout.dtype):
                 kernel = None
+        self.flash = (kernel is not None and kernel.has_prefill_attention
+                      and layout.dtype == torch.bfloat16)
         self.attention = PagedAttention(kernel)
         self.forward = LlamaFamilyForward(model, self.attention)
 
@@ -94,8 +98,9 @@ class ModelRunner:
     def _kernel_step(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]):
         bs = self.block_size
         block_rows = self._block_rows()
-        short = [i for i, w in enumerate(chunks) if len(w.token_ids) <= KERNEL_MAX_CHUNK]
-        long = [i for i, w in enumerate(chunks) if len(w.token_ids) > KERNEL_MAX_CHUNK]
+        limit = KERNEL_MAX_CHUNK_FLASH if self.flash else KERNEL_MAX_CHUNK
+        short = [i for i, w in enumerate(chunks) if len(w.token_ids) <= limit]
+        long = [i for i, w in enumerate(chunks) if len(w.token_ids) > limit]
         input_ids: list[int] = [w.token_ids[0] for w in decodes]
         pos_list: list[int] = [w.start_pos for w in decodes]
         slot_list: list[int] = [
@@ -153,8 +158,9 @@ class ModelRunner:
         rows = table[pos // bs] * block_rows + pos % bs
         chunk = PrefillChunk(
             start=start, end=start + n, context_len=context_len,
-            block_ids=table.to(self.device) if first > 0 else None,
+            block_ids=table.to(self.device) if first > 0 and not self.flash else None,
             positions=pos.to(self.device),
+            block_table=table.to(torch.int32) if self.flash else None,
         )
         return chunk, pos, rows
 

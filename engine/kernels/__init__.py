@@ -5,7 +5,9 @@ row's blocks, a padded mask and an SDPA call whose tiny per-head GEMMs cost more
 arithmetic (decode at batch 64 spent ~110 ms a step there, see engine/README.md). The kernel
 in ``paged_attention.cpp`` reads K and V through the block table in place;
 ``fused_ops.cpp`` does a layer's bf16 elementwise steps (residual add and RMS norm, SiLU
-and multiply, rotary and the KV write) in one pass each, and the greedy argmax.
+and multiply, rotary and the KV write) in one pass each, and the greedy argmax;
+``prefill_attention.cpp`` is a bf16 flash attention for long prefill chunks on CPUs with
+AVX512-BF16 (where the compiler targets it; ``has_prefill_attention`` says).
 
 Why ctypes and not a torch C++ extension: the source includes no torch headers, so it builds
 in about a second with the system's g++ (a torch extension takes a minute or more on a
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in (
+    "paged_attention.cpp", "fused_ops.cpp", "prefill_attention.cpp"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c++17",
@@ -77,6 +80,12 @@ class NativeKernels:
         self._rope_store = _fn(lib, "tierserve_rope_store_bf16",
                                [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i32])
         self._argmax = _fn(lib, "tierserve_argmax_f32", [ptr, i64, i64, i64, ptr, i32])
+        self._prefill = None
+        if hasattr(lib, "tierserve_prefill_attention_bf16"):
+            self._prefill = _fn(lib, "tierserve_prefill_attention_bf16",
+                                [ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64,
+                                 i64, i64, i64, f32, ptr, i64, i32])
+            self._prefill.restype = ctypes.c_int
         self._lib = lib  # keeps the library loaded
         self.num_threads = 1  # OpenMP threads of every call (the runner sets torch's count)
 
@@ -106,6 +115,33 @@ class NativeKernels:
         self._rope_store(qkv.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
                          cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), slot_rows.data_ptr(),
                          k_offset, k_offset + block_size, self.num_threads)
+
+    @property
+    def has_prefill_attention(self) -> bool:
+        return self._prefill is not None
+
+    def prefill_attend(self, query: torch.Tensor, kv: torch.Tensor, layer: int,
+                       block_table: torch.Tensor, first_pos: int, window: int | None,
+                       scale: float, out: torch.Tensor) -> bool:
+        """Causal attention of one bf16 chunk: ``query`` [n, Hq, D] (each row's heads
+        contiguous) at positions first_pos.., keys 0..first_pos + n - 1 read through
+        ``block_table`` (int32); writes ``out`` [n, Hq, D] (rows may be strided). False:
+        no kernel for this head_dim (nothing written)."""
+        if self._prefill is None:
+            return False
+        num_queries, num_q_heads, head_dim = query.shape
+        _, num_layers, _, block_size, num_kv_heads, _ = kv.shape
+        if query.stride(2) != 1 or query.stride(1) != head_dim or out.stride(1) != head_dim:
+            raise ValueError("prefill attention: each row's heads must be contiguous")
+        token_stride = num_kv_heads * head_dim
+        v_offset = block_size * token_stride
+        layer_stride = 2 * v_offset
+        done = self._prefill(
+            query.data_ptr(), query.stride(0), kv.data_ptr(), num_layers * layer_stride,
+            layer * layer_stride, v_offset, token_stride, block_table.data_ptr(), num_queries,
+            first_pos, num_q_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
+            out.data_ptr(), out.stride(0), self.num_threads)
+        return done == 0
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """float32 [n, vocab] (rows may be strided) -> long [n], as ``max(dim=-1).indices``."""

@@ -52,6 +52,26 @@ def test_paged_attention_matches_gathered_softmax(dtype, window) -> None:
     assert torch.allclose(out.float(), expected, atol=atol)
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.has_prefill_attention,
+                    reason="no AVX512-BF16 flash kernel here")
+@pytest.mark.parametrize("first_pos,num_queries,window", [
+    (0, 5, None), (0, 100, None), (37, 70, None), (0, 90, 20), (200, 33, 50),
+])
+def test_flash_prefill_attention_matches_gathered_softmax(first_pos, num_queries, window) -> None:
+    g = torch.Generator().manual_seed(4)
+    num_blocks, layers, block_size, hkv, d, hq = 30, 2, 16, 3, 64, 9
+    kv = torch.randn(num_blocks, layers, 2, block_size, hkv, d, generator=g).to(torch.bfloat16)
+    context = first_pos + num_queries
+    table = torch.randperm(num_blocks, generator=g)[: -(-context // block_size)].to(torch.int32)
+    q = torch.randn(num_queries, hq, d, generator=g).to(torch.bfloat16)
+    out = torch.zeros_like(q)
+    assert KERNELS.prefill_attend(q, kv, 1, table, first_pos, window, d**-0.5, out)
+    positions = torch.arange(first_pos, context, dtype=torch.int32)
+    expected = reference_attention(q, kv, 1, table.view(1, -1), torch.zeros_like(positions),
+                                   positions, window, d**-0.5)
+    assert torch.allclose(out.float(), expected, atol=BF16_ATOL)
+
+
 def hf_rms_norm(x, w, eps):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -122,10 +142,13 @@ def test_bf16_engine_with_and_without_kernels_agree(tiny_checkpoints) -> None:
     logits = []
     for engine in engines:
         blocks = engine.pool.allocate(4)
-        chunk = SeqWork(prompt[:40], 0, blocks, sample=True)
-        engine.runner.execute([], [chunk])
-        decode = SeqWork(prompt[40:41], 40, blocks, sample=True)
-        logits.append(engine.runner.execute([decode], []).float())
+        # a first chunk, a chunk after that prefix, a 3-token chunk (row kernel), a decode
+        first = engine.runner.execute([], [SeqWork(prompt[:24], 0, blocks, sample=False)])
+        second = engine.runner.execute([], [SeqWork(prompt[24:40], 24, blocks, sample=True)])
+        third = engine.runner.execute([], [SeqWork(prompt[40:43], 40, blocks, sample=True)])
+        decode = engine.runner.execute([SeqWork(prompt[43:44], 43, blocks, sample=True)], [])
+        assert first.shape[0] == 0
+        logits.append(torch.cat([second, third, decode]).float())
     scale = logits[1].abs().max()
     assert (logits[0] - logits[1]).abs().max() < 0.05 * scale
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
