@@ -80,8 +80,15 @@ class PoolsConfig(_Frozen):
     num_cpus_per_worker: float = Field(0.5, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
     block_size: int = Field(16, ge=1, le=256)
-    # The KV budget of each worker, in blocks (DESIGN §3: blocks are the unit).
-    num_kv_blocks: int = Field(512, ge=2)
+    # The KV budget of each worker (DESIGN §3: blocks are the unit), at most one of: a block
+    # count, bytes, or a share of the device's available memory when the worker starts (host
+    # MemAvailable on CPU, free memory after the weights on CUDA). None set: the engine's
+    # default, a tenth of available memory (on a 24 GiB CPU host ~2 GiB a worker, leaving
+    # the other worker, Ray and the OS room; engine/README.md). A budget the device cannot
+    # hold fails the worker's start with an error naming the field and the limit.
+    num_kv_blocks: int | None = Field(None, ge=2)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=0.95)
     # CPU blocks each decode worker may swap out to.
     num_swap_blocks: int = Field(512, ge=0)
     prefill_chunk_size: int = Field(256, ge=1)
@@ -97,6 +104,10 @@ class PoolsConfig(_Frozen):
                              "worker (mode aggregated needs none)")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        budgets = [name for name in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction")
+                   if getattr(self, name) is not None]
+        if len(budgets) > 1:
+            raise ValueError(f"{budgets[0]}: give one KV budget, not {' and '.join(budgets)}")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError(
                 "prefill_chunk_size: must not exceed max_num_batched_tokens "

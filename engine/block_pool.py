@@ -90,6 +90,10 @@ class BlockRemoved:
 BlockEvent = BlockStored | BlockRemoved
 
 
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory of ``device`` now: CUDA's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
@@ -148,20 +152,42 @@ class BlockPool:
         num_blocks: int | None = None,
         budget_bytes: int | None = None,
         fraction: float | None = None,
+        available_bytes: int | None = None,
     ) -> int:
-        """Number of blocks for a budget: a count, bytes, or a fraction of free memory."""
-        if num_blocks is not None:
-            return num_blocks
+        """Number of blocks for a budget: a count, bytes, or a fraction of available memory.
+
+        ``available_bytes`` defaults to the device's available memory now. A budget that
+        holds no block, or that is larger than the available memory, is an
+        EngineSettingError naming the setting (``num_kv_blocks``, ``kv_cache_bytes``,
+        ``kv_cache_fraction``) and the limit.
+        """
+        from engine.errors import EngineSettingError
+
         probe = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device, 1)
+        per_block = probe.bytes_per_block
+        if available_bytes is None:
+            available_bytes = available_memory_bytes(device)
+        where = f"{device.type} memory available"
+        if num_blocks is not None:
+            if num_blocks * per_block > available_bytes:
+                raise EngineSettingError(
+                    "num_kv_blocks", f"{num_blocks} blocks take {_gib(num_blocks * per_block)} "
+                    f"({per_block} bytes each), more than the {_gib(available_bytes)} of {where}")
+            return num_blocks
+        setting = "kv_cache_bytes"
         if budget_bytes is None:
             if fraction is None:
                 raise ValueError("give num_blocks, budget_bytes or fraction")
-            budget_bytes = int(available_memory_bytes(device) * fraction)
-        count = budget_bytes // probe.bytes_per_block
+            setting = "kv_cache_fraction"
+            budget_bytes = int(available_bytes * fraction)
+        elif budget_bytes > available_bytes:
+            raise EngineSettingError(
+                setting, f"{_gib(budget_bytes)} asked, more than the {_gib(available_bytes)} of "
+                f"{where}")
+        count = budget_bytes // per_block
         if count < 1:
-            raise ValueError(
-                f"KV budget of {budget_bytes} bytes holds no block ({probe.bytes_per_block} bytes each)"
-            )
+            raise EngineSettingError(
+                setting, f"a budget of {budget_bytes} bytes holds no block ({per_block} bytes each)")
         return int(count)
 
     # ---- store interface (kvtransfer, swap) ----

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import EngineSettingError
+
 
 class DTypeChoice(enum.Enum):
     AUTO = "auto"
     BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"  # CUDA only
     FLOAT32 = "float32"
 
 
@@ -38,12 +41,43 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def resolve_dtype(choice: str | DTypeChoice, device: torch.device) -> torch.dtype:
-    choice = DTypeChoice(choice)
+    """The torch dtype of ``choice`` on ``device``; EngineSettingError (``dtype``) where the
+    device cannot run it: float16 on CPU, bfloat16 on a GPU without bf16. (bfloat16 on a CPU
+    without AVX512-BF16 or AMX runs, emulated and slowly; "auto" picks float32 there.)"""
+    choice = _dtype_choice(choice)
     if choice is DTypeChoice.FLOAT32:
         return torch.float32
+    if choice is DTypeChoice.FLOAT16:
+        if device.type != "cuda":
+            raise EngineSettingError(
+                "dtype", f"float16 does not run on {device.type}; choose auto, bfloat16 or float32")
+        return torch.float16
     if choice is DTypeChoice.BFLOAT16:
+        if device.type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            major, minor = torch.cuda.get_device_capability(device)
+            raise EngineSettingError(
+                "dtype", f"bfloat16 needs a GPU of compute capability 8.0 or more, this one is "
+                f"{major}.{minor}; choose auto, float16 or float32")
         return torch.bfloat16
     return torch.bfloat16 if bf16_supported(device) else torch.float32
+
+
+def _dtype_choice(choice: str | DTypeChoice) -> DTypeChoice:
+    try:
+        return DTypeChoice(choice)
+    except ValueError:
+        names = ", ".join(c.value for c in DTypeChoice)
+        raise EngineSettingError("dtype", f"{choice!r} is not one of {names}") from None
+
+
+def check_device(device: torch.device) -> None:
+    """EngineSettingError (``device``) when torch cannot reach ``device``."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineSettingError("device", f"{device} asked, but torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise EngineSettingError(
+                "device", f"{device} asked, but there are {torch.cuda.device_count()} CUDA devices")
 
 
 @dataclass(frozen=True)
@@ -51,8 +85,12 @@ class EngineConfig:
     """What one engine runs and how much memory it may use.
 
     The KV budget is, in order of precedence: ``num_kv_blocks``, ``kv_cache_bytes``, or
-    ``kv_cache_fraction`` of the device's free memory. The pool is allocated (and touched)
-    once at start, so resident memory does not grow while serving.
+    ``kv_cache_fraction`` of the device's available memory when the engine starts (host
+    MemAvailable on CPU, free memory after the weights on CUDA). The default, a tenth, leaves
+    a CPU host room for a second worker, Ray and the OS (engine/README.md: on a 24 GiB
+    machine ~2 GiB per worker, ~90,000 tokens of SmolLM2-135M in bf16). A budget larger than
+    the available memory is an EngineSettingError naming the field. The pool is allocated
+    (and touched) once at start, so resident memory does not grow while serving.
     """
 
     model: str
@@ -69,11 +107,17 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # The native CPU kernels (engine.kernels, built on first use); False, or no compiler on
+    # the machine: torch ops only (same greedy tokens, slower decode).
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
-        DTypeChoice(self.dtype)  # raises ValueError naming the bad value
+        choice = _dtype_choice(self.dtype)  # EngineSettingError naming the bad value
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise EngineSettingError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if choice is DTypeChoice.FLOAT16 and self.device == "cpu":
+            raise EngineSettingError(
+                "dtype", "float16 does not run on cpu; choose auto, bfloat16 or float32")
         positive = {
             "block_size": self.block_size,
             "prefill_chunk_size": self.prefill_chunk_size,
@@ -84,11 +128,12 @@ class EngineConfig:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise EngineSettingError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+            raise EngineSettingError("kv_cache_bytes", f"must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
-            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+            raise EngineSettingError(
+                "kv_cache_fraction", f"must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one token per seq)")
         if self.max_model_len is not None and self.max_model_len < 2:

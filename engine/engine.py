@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_device
 from engine.errors import PromptTooLong
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
@@ -46,6 +46,7 @@ class LLMEngine:
         tokenizer: object | None = None,
     ) -> None:
         self.config = config
+        check_device(config.torch_device)
         if model is None:
             model, loaded_tokenizer = load_model(config.model, config.dtype, config.device)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
@@ -72,7 +73,7 @@ class LLMEngine:
         self.pool = BlockPool(
             **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, use_kernel=config.native_kernels)
         self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}
@@ -250,8 +251,10 @@ class LLMEngine:
         token_ids: list[int] = []
         logprobs: list[float] = []
         if sampled:
+            kernels = self.runner.kernels
             token_ids, logprobs = sample(
-                logits, [r.params for r in sampled], [r.generator for r in sampled]
+                logits, [r.params for r in sampled], [r.generator for r in sampled],
+                argmax=None if kernels is None else kernels.argmax,
             )
         sample_index = 0
         for req, work in scheduled:

@@ -14,11 +14,23 @@ class PromptTooLong(ValueError):
         self.limit = limit
 
 
-class UnsupportedArchitecture(ValueError):
-    """A checkpoint's architecture is not one the engine runs."""
+class EngineSettingError(ValueError):
+    """A setting this engine cannot honour on this device: the message starts with the
+    EngineConfig field (``setting``) and says what the limit is; callers with their own
+    configuration tree (cluster/) re-root it at their own field name."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.detail = message
+
+
+class UnsupportedArchitecture(EngineSettingError):
+    """A checkpoint's architecture is not one the engine runs (setting ``model``)."""
 
     def __init__(self, architecture: str, supported: tuple[str, ...]) -> None:
         super().__init__(
-            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported)}"
+            "model",
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported)}",
         )
         self.architecture = architecture

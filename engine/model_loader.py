@@ -1,4 +1,9 @@
-"""Loading a local transformers checkpoint onto a device with the paged attention plugged in."""
+"""Loading a local transformers checkpoint onto a device.
+
+The model is an ordinary transformers model (SDPA attention): the engine runs it through its
+own forward over the paged pool (engine.forward), which reads the model's weights, and
+``model.generate`` still works on it (the tests' reference).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import register_paged_attention
 from engine.config import resolve_dtype
 from engine.errors import UnsupportedArchitecture
 
@@ -40,7 +44,7 @@ def checkpoint_architecture(path: str | Path) -> str:
 def load_model(
     path: str | Path, dtype: str = "auto", device: str = "cpu"
 ) -> tuple[torch.nn.Module, object]:
-    """(model in eval mode on ``device`` with paged attention, its tokenizer).
+    """(model in eval mode on ``device``, its tokenizer).
 
     dtype "auto" is bf16 where the device runs it natively, else fp32.
     """
@@ -49,9 +53,8 @@ def load_model(
     checkpoint_architecture(path)
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    attn = register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype, attn_implementation=attn
+        str(path), dtype=torch_dtype, attn_implementation="sdpa"
     )
     model.to(torch_device).eval()
     model.requires_grad_(False)

@@ -3,6 +3,13 @@
 Input: per request, the token ids to run now, their first position, the request's block table
 and whether its last position is sampled. Output: logits rows of the sampled requests, in
 order. Everything else (which requests, how many tokens) is the engine's business.
+
+The step's metadata (token ids, positions, pool rows, block tables, chunk descriptions) is
+built here once per step, as a few tensors, and shared by every layer (engine.attention).
+Row order: decodes, then chunks of at most ``KERNEL_MAX_CHUNK`` tokens (both attended row by
+row through the block tables by the native kernel), then the longer chunks (one SDPA each).
+Without the kernel, decode rows are sorted by context length and grouped (``group_rows``)
+and every chunk takes the SDPA path.
 """
 
 from __future__ import annotations
@@ -12,8 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import BATCH_KWARG, DecodeGroup, ForwardBatch, PrefillChunk
+from engine.attention import DecodeGroup, PagedAttention, PrefillChunk, StepMeta
 from engine.block_pool import BlockPool
+from engine.forward import LlamaFamilyForward
+from engine.kernels import load_kernels
+
+# Chunks up to this many tokens go to the native row kernel with the decodes; longer ones
+# to the bf16 flash kernel (faster from ~8 tokens on), or to SDPA (float32, whose blocked
+# GEMMs win over the row kernel from ~32 tokens on); engine/README.md has the figures.
+KERNEL_MAX_CHUNK = 32
+KERNEL_MAX_CHUNK_FLASH = 4
 
 
 @dataclass(slots=True)
@@ -27,13 +42,32 @@ class SeqWork:
 
 
 class ModelRunner:
-    """Runs packed forwards of ``model`` over ``pool`` (the model uses paged attention)."""
+    """Runs packed forwards of ``model`` over ``pool`` with the engine's own forward."""
 
-    def __init__(self, model: torch.nn.Module, pool: BlockPool) -> None:
+    def __init__(self, model: torch.nn.Module, pool: BlockPool, *,
+                 use_kernel: bool = True) -> None:
         self.model = model
         self.pool = pool
-        self.device = pool.kv_layout().device
+        layout = pool.kv_layout()
+        self.device = layout.device
         self.block_size = pool.block_size
+        kernel = None
+        if use_kernel and self.device.type == "cpu":
+            kernel = load_kernels()
+            if kernel is not None and not kernel.supports(layout.dtype):
+                kernel = None
+        self.flash = (kernel is not None and kernel.has_prefill_attention
+                      and layout.dtype == torch.bfloat16)
+        self.attention = PagedAttention(kernel)
+        self.forward = LlamaFamilyForward(model, self.attention)
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.attention.kernel is not None
+
+    @property
+    def kernels(self):  # -> NativeKernels | None
+        return self.attention.kernel
 
     @torch.inference_mode()
     def execute(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]) -> torch.Tensor:
@@ -42,25 +76,114 @@ class ModelRunner:
         Returns the logits [num_sampled, vocab] of the works with ``sample`` set, in the order
         given (decodes first, then chunks).
         """
+        if self.attention.kernel is not None:
+            self.attention.kernel.num_threads = torch.get_num_threads()
+        if self.uses_kernel:
+            meta, input_ids, positions, sample_rows = self._kernel_step(decodes, chunks)
+        else:
+            meta, input_ids, positions, sample_rows = self._torch_step(decodes, chunks)
+        device = self.device
+        ids = torch.tensor(input_ids, dtype=torch.long).to(device)
+        keep = None
+        if sample_rows != list(range(len(input_ids))):
+            keep = torch.tensor(sample_rows, dtype=torch.long).to(device)
+        return self.forward(ids, positions.to(device), meta, keep)
+
+    # ---- metadata ----
+
+    def _block_rows(self) -> int:
+        """A block's rows in the pool viewed as [num_blocks * L * 2 * bs, H, D]."""
+        return self.pool.kv_layout().num_layers * 2 * self.block_size
+
+    def _kernel_step(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]):
         bs = self.block_size
-        # a block's rows in the pool viewed as [num_blocks * L * 2 * bs, H, D] (block-major)
-        block_rows = self.pool.kv_layout().num_layers * 2 * bs
+        block_rows = self._block_rows()
+        limit = KERNEL_MAX_CHUNK_FLASH if self.flash else KERNEL_MAX_CHUNK
+        short = [i for i, w in enumerate(chunks) if len(w.token_ids) <= limit]
+        long = [i for i, w in enumerate(chunks) if len(w.token_ids) > limit]
+        input_ids: list[int] = [w.token_ids[0] for w in decodes]
+        pos_list: list[int] = [w.start_pos for w in decodes]
+        slot_list: list[int] = [
+            w.block_ids[w.start_pos // bs] * block_rows + w.start_pos % bs for w in decodes
+        ]
+        row_seq: list[int] = list(range(len(decodes)))
+        tables: list[Sequence[int]] = [w.block_ids[: w.start_pos // bs + 1] for w in decodes]
+        chunk_end = [0] * len(chunks)
+        for i in short:
+            work = chunks[i]
+            n = len(work.token_ids)
+            first = work.start_pos
+            input_ids.extend(work.token_ids)
+            pos_list.extend(range(first, first + n))
+            table = work.block_ids
+            slot_list.extend(table[p // bs] * block_rows + p % bs for p in range(first, first + n))
+            row_seq.extend([len(tables)] * n)
+            tables.append(table[: (first + n + bs - 1) // bs])
+            chunk_end[i] = len(input_ids)
+        num_table_rows = len(input_ids)
+        positions = [torch.tensor(pos_list, dtype=torch.long)]
+        slots = [torch.tensor(slot_list, dtype=torch.long)]
+        sdpa_chunks: list[PrefillChunk] = []
+        for i in long:
+            chunk, pos, rows = self._long_chunk(chunks[i], len(input_ids), block_rows)
+            input_ids.extend(chunks[i].token_ids)
+            positions.append(pos)
+            slots.append(rows)
+            sdpa_chunks.append(chunk)
+            chunk_end[i] = len(input_ids)
+        meta = StepMeta(kv=self.pool.kv_tensor(), slot_rows=torch.cat(slots).to(self.device),
+                        num_table_rows=num_table_rows, chunks=sdpa_chunks)
+        if num_table_rows:
+            width = max(len(t) for t in tables)
+            padded = torch.zeros(len(tables), width, dtype=torch.int32)
+            for row, table in enumerate(tables):
+                padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            meta.block_tables = padded
+            meta.row_seq = torch.tensor(row_seq, dtype=torch.int32)
+            meta.row_pos = positions[0].to(torch.int32)
+        sample_rows = [row for row, w in enumerate(decodes) if w.sample]
+        sample_rows.extend(chunk_end[i] - 1 for i, w in enumerate(chunks) if w.sample)
+        return meta, input_ids, torch.cat(positions), sample_rows
+
+    def _long_chunk(self, work: SeqWork, start: int, block_rows: int
+                    ) -> tuple[PrefillChunk, torch.Tensor, torch.Tensor]:
+        """A chunk attended with SDPA: its description, positions and pool rows."""
+        bs = self.block_size
+        n = len(work.token_ids)
+        first = work.start_pos
+        context_len = first + n
+        num_blocks = (context_len + bs - 1) // bs
+        table = torch.tensor(list(work.block_ids[:num_blocks]), dtype=torch.long)
+        pos = torch.arange(first, context_len)
+        rows = table[pos // bs] * block_rows + pos % bs
+        chunk = PrefillChunk(
+            start=start, end=start + n, context_len=context_len,
+            block_ids=table.to(self.device) if first > 0 and not self.flash else None,
+            positions=pos.to(self.device),
+            block_table=table.to(torch.int32) if self.flash else None,
+        )
+        return chunk, pos, rows
+
+    def _torch_step(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]):
+        bs = self.block_size
+        block_rows = self._block_rows()
         device = self.device
         # Decode rows go first, sorted by context length so that groups pad little.
         order = sorted(range(len(decodes)), key=lambda i: decodes[i].start_pos)
         row_of = [0] * len(decodes)
         input_ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []  # each token's row of layer 0's K (ForwardBatch.token_rows)
+        pos_list: list[int] = []
+        slot_list: list[int] = []
         for row, i in enumerate(order):
             work = decodes[i]
             pos = work.start_pos
             row_of[i] = row
             input_ids.append(work.token_ids[0])
-            positions.append(pos)
-            rows.append(work.block_ids[pos // bs] * block_rows + pos % bs)
+            pos_list.append(pos)
+            slot_list.append(work.block_ids[pos // bs] * block_rows + pos % bs)
         sample_rows = [row_of[i] for i, w in enumerate(decodes) if w.sample]
-        batch = ForwardBatch(kv=self.pool.kv_tensor(), token_rows=torch.empty(0))
+        meta = StepMeta(kv=self.pool.kv_tensor(), slot_rows=torch.empty(0),
+                        num_table_rows=len(decodes))
         sorted_blocks = [decodes[i].start_pos // bs + 1 for i in order]
         for first, end in group_rows(sorted_blocks, GROUP_OVERHEAD_BLOCKS):
             max_blocks = sorted_blocks[end - 1]
@@ -74,7 +197,7 @@ class ModelRunner:
                 [decodes[order[row]].start_pos + 1 for row in range(first, end)], dtype=torch.long
             )
             mask = torch.arange(max_blocks * bs).view(1, -1) < context_lens.view(-1, 1)
-            batch.decode_groups.append(
+            meta.decode_groups.append(
                 DecodeGroup(
                     start=first,
                     end=end,
@@ -83,43 +206,18 @@ class ModelRunner:
                     mask=mask.view(end - first, 1, 1, -1).to(device),
                 )
             )
+        positions = [torch.tensor(pos_list, dtype=torch.long)]
+        slots = [torch.tensor(slot_list, dtype=torch.long)]
         for work in chunks:
-            start = len(input_ids)
-            n = len(work.token_ids)
+            chunk, pos, rows = self._long_chunk(work, len(input_ids), block_rows)
             input_ids.extend(work.token_ids)
-            first = work.start_pos
-            pos_range = range(first, first + n)
-            positions.extend(pos_range)
-            table = work.block_ids
-            rows.extend(table[p // bs] * block_rows + p % bs for p in pos_range)
-            context_len = first + n
-            block_ids = None
-            if first > 0:
-                num_blocks = (context_len + bs - 1) // bs
-                block_ids = torch.tensor(list(table[:num_blocks]), dtype=torch.long).to(device)
-            batch.chunks.append(
-                PrefillChunk(
-                    start=start,
-                    end=start + n,
-                    context_len=context_len,
-                    block_ids=block_ids,
-                    positions=torch.arange(first, context_len, device=device),
-                )
-            )
+            positions.append(pos)
+            slots.append(rows)
+            meta.chunks.append(chunk)
             if work.sample:
-                sample_rows.append(start + n - 1)
-        batch.token_rows = torch.tensor(rows, dtype=torch.long).to(device)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(device).unsqueeze(0)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(device).unsqueeze(0)
-        keep = torch.tensor(sample_rows, dtype=torch.long).to(device)
-        out = self.model(
-            input_ids=ids,
-            position_ids=pos_t,
-            use_cache=False,
-            logits_to_keep=keep,
-            **{BATCH_KWARG: batch},
-        )
-        return out.logits[0]
+                sample_rows.append(len(input_ids) - 1)
+        meta.slot_rows = torch.cat(slots).to(device)
+        return meta, input_ids, torch.cat(positions), sample_rows
 
 
 # A group's fixed cost (one gather + one SDPA call per layer) in blocks of padded KV.

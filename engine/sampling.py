@@ -8,7 +8,7 @@ seeded request gives the same tokens whatever it is batched with).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,15 +66,20 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` [n, vocab]; returns (token ids, their logprobs).
 
     The logprobs list is empty when no request asked for logprobs; otherwise rows that did
-    not ask hold 0.0.
+    not ask hold 0.0. ``argmax`` (the native kernel's, on CPU) replaces torch's greedy
+    choice, which took ~6 ms at batch 64 (a scalar loop over 49k columns a row).
     """
     logits = logits.float()
-    # max(dim) returns the first maximal index, like argmax, and runs faster on CPU.
-    chosen = logits.max(dim=-1).indices
+    if argmax is not None and logits.device.type == "cpu":
+        chosen = argmax(logits)
+    else:
+        # max(dim) returns the first maximal index, like argmax, and runs faster on CPU.
+        chosen = logits.max(dim=-1).indices
     for i, p in enumerate(params):
         if not p.is_greedy:
             chosen[i] = _sample_row(logits[i], p, generators[i])

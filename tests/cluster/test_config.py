@@ -112,3 +112,23 @@ def test_nvidia_smi_topology_matrix_is_parsed() -> None:
     )
     groups = nvlink_groups_from_topo_matrix(text)
     assert groups[0] == groups[1] != groups[2] == groups[3]
+
+
+def test_one_kv_budget_and_engine_limits_name_the_field(tmp_path) -> None:
+    from cluster.worker_runtime import build_engine
+    from engine.testing import make_tiny_checkpoint
+
+    with pytest.raises(ConfigError, match="pools.num_kv_blocks: give one KV budget"):
+        load_config(overrides=["pools.num_kv_blocks=64", "pools.kv_cache_bytes=1000000"])
+    path = str(make_tiny_checkpoint("llama", tmp_path / "llama"))
+    cfg = load_config(overrides=[f"model.path={path}", "model.device=cpu",
+                                 "pools.kv_cache_bytes=1125899906842624"])
+    with pytest.raises(ConfigError, match=r"pools.kv_cache_bytes: 1048576.00 GiB asked, more"):
+        build_engine(cfg, role="decode")
+    cfg = load_config(overrides=[f"model.path={path}", "model.device=cpu", "model.dtype=float16"])
+    with pytest.raises(ConfigError, match="model.dtype: float16 does not run on cpu"):
+        build_engine(cfg, role="decode")
+    cfg = load_config(overrides=[f"model.path={path}", "model.device=cpu",
+                                 "pools.kv_cache_memory_fraction=0.001"])
+    engine = build_engine(cfg, role="decode")
+    assert engine.num_total_blocks > 0

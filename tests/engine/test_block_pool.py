@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import BlockPool, BlockRemoved, BlockStored, compute_block_hashes, hash_block_tokens
+from engine import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    EngineSettingError,
+    compute_block_hashes,
+    hash_block_tokens,
+)
 
 
 def make_pool(num_blocks: int = 8, **kw) -> BlockPool:
@@ -144,3 +151,18 @@ def test_budget_sizing() -> None:
     assert BlockPool.blocks_for_budget(**shape, fraction=1e-6) >= 1
     with pytest.raises(ValueError, match="holds no block"):
         BlockPool.blocks_for_budget(**shape, budget_bytes=per_block - 1)
+
+
+def test_budgets_that_do_not_fit_name_the_setting_and_the_limit() -> None:
+    shape = dict(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32,
+        device=torch.device("cpu"), available_bytes=10 * 2**20,
+    )
+    per_block = 2 * 2 * 4 * 2 * 4 * 4
+    assert BlockPool.blocks_for_budget(**shape, fraction=0.5) == 5 * 2**20 // per_block
+    with pytest.raises(EngineSettingError, match=r"kv_cache_bytes: 1.00 GiB asked.*0.01 GiB"):
+        BlockPool.blocks_for_budget(**shape, budget_bytes=2**30)
+    with pytest.raises(EngineSettingError, match=r"num_kv_blocks: 1000000 blocks take"):
+        BlockPool.blocks_for_budget(**shape, num_blocks=1_000_000)
+    with pytest.raises(EngineSettingError, match="kv_cache_fraction: .*holds no block"):
+        BlockPool.blocks_for_budget(**shape, fraction=1e-9)

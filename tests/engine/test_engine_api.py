@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from engine import (
     BlockStored,
     EngineConfig,
+    EngineSettingError,
     FinishReason,
     LLMEngine,
     PromptTooLong,
@@ -93,6 +94,22 @@ def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     message = str(info.value)
     assert "GPT2LMHeadModel" in message and "LlamaForCausalLM" in message
     assert "Qwen2ForCausalLM" in message and "MistralForCausalLM" in message
+
+
+def test_settings_the_device_cannot_honour_name_the_setting(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    with pytest.raises(EngineSettingError, match="^dtype: float16 does not run on cpu"):
+        EngineConfig(model=path, dtype="float16")
+    with pytest.raises(EngineSettingError, match="^dtype: 'int8' is not one of"):
+        EngineConfig(model=path, dtype="int8")
+    with pytest.raises(EngineSettingError, match=r"^kv_cache_bytes: .* GiB asked, more than"):
+        LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_bytes=2**50))
+    with pytest.raises(EngineSettingError, match="^kv_cache_bytes: .*holds no block") as info:
+        LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_bytes=100))
+    assert info.value.setting == "kv_cache_bytes"
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineSettingError, match="^device: cuda asked, but torch sees no"):
+            LLMEngine(EngineConfig(model=path, device="cuda"))
 
 
 def test_max_tokens_and_stop_conditions(engine: LLMEngine) -> None:

@@ -82,6 +82,19 @@ def test_batched_chunked_greedy_matches_generate(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_torch_attention_path_matches_generate(tiny_checkpoints, references, family) -> None:
+    """Without the native kernels (no compiler on the machine, or switched off), decodes
+    take the torch path (grouped SDPA over gathered blocks): the same tokens."""
+    engine = make_engine(tiny_checkpoints[family], native_kernels=False, prefill_chunk_size=16,
+                         max_num_batched_tokens=64)
+    assert not engine.runner.uses_kernel
+    outputs = engine.generate(PROMPTS[:8], GREEDY)
+    assert outputs == [references[family](p) for p in PROMPTS[:8]]
+    prefixed = engine.generate(PREFIXED, GREEDY)
+    assert prefixed == [references[family](p) for p in PREFIXED]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_cache_hits_give_identical_output(tiny_checkpoints, references, family) -> None:
     engine = make_engine(tiny_checkpoints[family])
     first = engine.generate(PREFIXED[:1], GREEDY)
