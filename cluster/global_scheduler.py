@@ -389,6 +389,10 @@ class GlobalScheduler:
             "mode": self.core.mode.value,
             "num_live": len(self.core.live),
             "num_queued": len(self.core.queue),
+            # Live requests by state, and by where they run ("prefill->decode" workers).
+            "live_states": _count(req.state.value for req, _, _ in self.core.entries()),
+            "live_placements": _count(f"{req.prefill_worker_id}->{req.decode_worker_id}"
+                                      for req, _, _ in self.core.entries()),
             "transfers_by_class": dict(self.transfers_by_class),
             "preemptions": dict(self.preemptions),
             "workers": {wid: {"alive": w.is_alive, "free": w.num_free_blocks,
@@ -402,6 +406,13 @@ class GlobalScheduler:
 
 _RUNNING = frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING})
 _PREEMPTED = frozenset({RequestState.PREEMPTING, RequestState.PREEMPTED})
+
+
+def _count(keys: object) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in keys:  # type: ignore[attr-defined]
+        out[str(k)] = out.get(str(k), 0) + 1
+    return out
 
 
 def _swapped(req: Request) -> bool:

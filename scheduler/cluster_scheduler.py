@@ -177,6 +177,15 @@ class WorkerSlot:
         left = sum(self.prefill_left.values())
         return self.costs.prefill_s(left, 0) if left else 0.0
 
+    def backlog_by_tier(self, tier_of: dict[str, int], num_tiers: int) -> tuple[float, ...]:
+        """Queued prefill work (s) here per tier: what runs before a request of each tier."""
+        out = [0.0] * num_tiers
+        for rid, left in self.prefill_left.items():
+            t = tier_of.get(rid)
+            if t is not None and left > 0:
+                out[t] += self.costs.prefill_s(left, 0)
+        return tuple(out)
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -384,8 +393,7 @@ class ClusterScheduler:
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
             # prefix hits among the workers the policy's decode placement accepts.
-            ok = [PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0))
-                  for w in decode
+            ok = [self._pview(w, matches) for w in decode
                   if self.policy.place_decode(req, need, [self._dview(w)], w.info) is not None]
             lp = self.policy.place_prefill(req, ok) if ok else None
             if lp is None:
@@ -394,8 +402,7 @@ class ClusterScheduler:
                 return None
             dslot, prefill_slot = self.workers[lp.info.worker_id], None
         else:
-            views = [PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0))
-                     for w in remote]
+            views = [self._pview(w, matches) for w in remote]
             pv = self.policy.place_prefill(req, views)
             if pv is None:
                 return None
@@ -429,6 +436,11 @@ class ClusterScheduler:
         return DispatchOrder(req.req_id, dslot.worker_id,
                              prefill_slot.worker_id if prefill_slot is not None else None,
                              need, cls)
+
+    def _pview(self, w: WorkerSlot, matches: dict[str, int]) -> PrefillView:
+        tier_of = {rid: self.live[rid].req.tier for rid in w.prefill_left if rid in self.live}
+        return PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0),
+                           w.backlog_by_tier(tier_of, self.tiers.num_tiers))
 
     def _dview(self, w: WorkerSlot) -> DecodeView:
         return DecodeView(w.info, w.free_blocks, len(w.held))

@@ -320,8 +320,9 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     order within the time left to the tightest target and at most ``step_cap_s`` (so an
     urgent arrival waits at most one short step), the most urgent always getting at least
     ``MIN_CHUNK_TOKENS``. A request of ``uncapped_tier`` that leads the step is not cut by
-    the cap (only by the decodes' TPOT bound): splitting the most urgent prompt into
-    short steps would only add their fixed costs to its own first token.
+    the cap, only by the pace its step's decodes can absorb (TPOT is a mean: a decode
+    ahead of its pace takes a longer step in its stride): splitting the most urgent
+    prompt into short steps would only add their fixed costs to its own first token.
     """
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
     costs = view.costs
@@ -373,7 +374,21 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     swap, free = _swap_ins(view, free, policy, room)
     room -= len(swap)
     budget = view.max_num_batched_tokens - len(batch)
-    tpot_bound = None if tight is None else tpot_margin * tight
+    tpot_bound = None
+    if tight is not None:
+        # TPOT is a request's mean pace: a decode that ran ahead of its pace can absorb a
+        # longer step. The leading most-urgent chunk may take what every decode in the
+        # step can absorb (at least one normal step); lower tiers' chunks keep the
+        # per-step bound.
+        pace: float | None = None
+        now = view.now
+        for d in batch:
+            t = tpot_by_tier[d.req.tier]
+            ft = d.req.first_token_time
+            if t is not None and ft is not None:
+                left = ft + t * max(d.req.num_output_tokens, 1) - now
+                pace = left if pace is None else min(pace, left)
+        tpot_bound = tpot_margin * max(tight, pace if pace is not None else 0.0)
     chunks = _take_chunks(view, budget, seconds, base, free, room, MIN_CHUNK_TOKENS,
                           uncapped=None if uncapped_tier is None else (lambda r: tpot_bound))
     shape = base
