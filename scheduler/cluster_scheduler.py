@@ -160,6 +160,10 @@ class WorkerSlot:
     prefill_left: dict[str, int] = field(default_factory=dict)
     # Blocks promised by dispatches whose answer is not in yet.
     num_promised: int = 0
+    # Preemptions ordered here whose event is not in yet: request -> blocks they free.
+    # Until then the victims still look like decodes, and another plan must not order
+    # more victims for the same need.
+    preempting: dict[str, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -428,17 +432,21 @@ class ClusterScheduler:
         ordered = sorted(decode, key=lambda w: topology_class(anchor, w.info)
                          is not TopologyClass.SAME_DOMAIN)
         for w in ordered:
+            soon_free = w.free_blocks + sum(w.preempting.values())
+            if w.preempting and soon_free >= need:
+                return  # victims ordered here already free enough: wait for them
             cands = [VictimView(self.live[rid].req, w.info, n) for rid, n in w.held.items()
                      if rid in self.live and self.live[rid].req.state is S.DECODING
-                     and not any(p.req_id == rid for p in self._preempts)]
+                     and rid not in w.preempting]
             if not cands:
                 continue
-            plan = self.policy.preempt_for(req, need, w.free_blocks, cands, now)
+            plan = self.policy.preempt_for(req, need, soon_free, cands, now)
             if plan is None or not plan.victims:
                 continue
             for v in plan.victims:
                 mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
                 self._preempts.append(PreemptOrder(v.req_id, w.worker_id, mode, req.req_id))
+                w.preempting[v.req_id] = v.num_blocks
                 # Anti-thrash: the kernel reads last_preempt_time before the report.
                 self.live[v.req_id].req.last_preempt_time = now
             return
@@ -514,6 +522,7 @@ class ClusterScheduler:
 
     def _on_event(self, w: WorkerSlot, ev: ReqEvent, now: float) -> None:
         rid = ev.req_id
+        w.preempting.pop(rid, None)  # whatever it says, an order for it is answered
         e = self.live.get(rid)
         if e is None:
             return
@@ -623,6 +632,7 @@ class ClusterScheduler:
         self.queue.remove(rid)
         for w in self.workers.values():
             w.prefill_left.pop(rid, None)
+            w.preempting.pop(rid, None)
             if rid in w.held:
                 n = w.held.pop(rid)
                 if e.is_dispatching:

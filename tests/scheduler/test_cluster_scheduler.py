@@ -178,3 +178,25 @@ def test_peer_policy_stops_at_the_head_of_the_line() -> None:
     submit(cs2, "big", 1, 400, now=0.0)
     submit(cs2, "small", 1, 10, now=0.1)
     assert dispatch_all(cs2, 0.2) == ["small"]  # tierserve lets it pass
+
+
+
+def test_a_preemption_in_flight_is_not_ordered_again_until_the_worker_answers() -> None:
+    """Until the victim's PREEMPTED event arrives it still looks like a decode: the next
+    plans must wait for it, not order it again (vllm-priority ignores the anti-thrash
+    window) or another victim for the same need."""
+    cs = make_cluster(policy="vllm-priority", decode_blocks=16)
+    submit(cs, "low", 3, 200, now=0.0)
+    assert dispatch_all(cs, 0.0) == ["low"]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("low", WorkerEvent.PREFILL_DONE, 0.5),)), 0.5)
+    cs.on_report(WorkerReport("d0", 2, 16, events=(
+        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),)), 0.6)
+    submit(cs, "top", 0, 200, now=2.0)
+    assert [(p.req_id, p.for_req_id) for p in cs.plan(2.0).preempts] == [("low", "top")]
+    for t in (2.01, 2.02, 2.03):
+        again = cs.plan(t)
+        assert not again.preempts and not again.dispatches
+    cs.on_report(WorkerReport("d0", 16, 16, events=(
+        ReqEvent("low", WorkerEvent.PREEMPTED_RECOMPUTE, 2.05, for_req_id="top"),)), 2.05)
+    assert dispatch_all(cs, 2.05) == ["top"]
