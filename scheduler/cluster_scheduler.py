@@ -187,6 +187,34 @@ class _Entry:
     num_blocks: int = 0
 
 
+class OutputLengths:
+    """How many tokens requests generate, learned from the ones that finished (an EWMA per
+    tier, and one over all tiers for a tier with none yet). ``max_new_tokens`` is only the
+    client's budget: predicting with it would have every request hold its blocks until
+    its budget runs out, many times longer than requests do."""
+
+    ALPHA = 0.05
+
+    def __init__(self, num_tiers: int) -> None:
+        self._by_tier: list[float | None] = [None] * num_tiers
+        self._all: float | None = None
+
+    def observe(self, tier: int, num_output_tokens: int) -> None:
+        n = float(max(num_output_tokens, 1))
+        m = self._by_tier[tier]
+        self._by_tier[tier] = n if m is None else m + self.ALPHA * (n - m)
+        self._all = n if self._all is None else self._all + self.ALPHA * (n - self._all)
+
+    def expected(self, req: Request) -> int:
+        """Tokens ``req`` is expected to generate in all (its budget until any finished)."""
+        m = self._by_tier[req.tier]
+        if m is None:
+            m = self._all
+        if m is None:
+            return req.max_new_tokens
+        return max(1, min(req.max_new_tokens, round(m)))
+
+
 class ClusterEstimate:
     """ServiceEstimate over the live workers' fitted step costs (prefill: the workers
     that prefill; decode: those that decode)."""
@@ -224,6 +252,7 @@ class ClusterScheduler:
         self.observer = observer
         self.workers: dict[str, WorkerSlot] = {}
         self.est = ClusterEstimate(self, self.new_costs())
+        self.outputs = OutputLengths(tiers.num_tiers)
         self.policy: SchedulingPolicy = (
             policy if isinstance(policy, SchedulingPolicy)
             else make_policy(policy, PolicyContext(tiers, self.est, link_costs, block_size)))
@@ -290,7 +319,7 @@ class ClusterScheduler:
             for t in range(nr.tier, self.tiers.num_tiers):
                 self._shed_until[t] = max(self._shed_until[t], until)
             return self._reject(req, now, decision.reason.value, retry)
-        self.policy.record_demand(req.tier, req.prompt_len + req.max_new_tokens, now)
+        self.policy.record_demand(req.tier, req.prompt_len + self.outputs.expected(req), now)
         self.live[req.req_id] = _Entry(req, nr.router_id)
         self.queue.push(req, now)
         return Admission(SubmitOutcome.ACCEPTED)
@@ -550,6 +579,8 @@ class ClusterScheduler:
             to = S.FINISHED_LENGTH if kind is WorkerEvent.FINISHED_LENGTH else S.FINISHED_STOPPED
             if req.state is S.TRANSFERRING:
                 self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
+            # Its last report's count: the tokens of the final step may be missing.
+            self.outputs.observe(req.tier, max(req.num_output_tokens, 1))
             self._move(rid, to, d, ev.time, by, mem=mem)
             self._close(rid)
         elif kind in (WorkerEvent.PREEMPTED_SWAP, WorkerEvent.PREEMPTED_RECOMPUTE):
@@ -671,7 +702,7 @@ class ClusterScheduler:
                 e = self.live.get(rid)
                 if e is not None:
                     held[e.req.tier] += blocks
-                    pairs.append((blocks, e.req.max_new_tokens))
+                    pairs.append((blocks, self.outputs.expected(e.req)))
         has_room = any(w.free_blocks > 0 for w in decode)
         idle = any(not w.prefill_left for w in prefillers)
         return LoadSnapshot(backlog, max(len(prefillers), 1),
@@ -685,5 +716,5 @@ def event_kind_for_preempt(mode: PreemptMode) -> WorkerEvent:
 
 
 __all__ = ["Admission", "AbortOrder", "ClusterScheduler", "DispatchOrder", "NewRequest",
-           "Plan", "PoolMode", "PreemptOrder", "ReqEvent", "SchedulerObserver", "WorkerSlot",
+           "OutputLengths", "Plan", "PoolMode", "PreemptOrder", "ReqEvent", "SchedulerObserver", "WorkerSlot",
            "event_kind_for_preempt"]
