@@ -537,7 +537,11 @@ class ClusterScheduler:
                 continue
             if w.can_decode and r.req_id in w.held:
                 w.held[r.req_id] = r.num_blocks
-                e.req.num_output_tokens = max(e.req.num_output_tokens, r.num_output_tokens)
+                grew = r.num_output_tokens - e.req.num_output_tokens
+                if grew > 0:
+                    e.req.num_output_tokens = r.num_output_tokens
+                    self.policy.record_served(e.req.tier, grew, grew * self.est.decode_token_s(),
+                                              now)
             if r.num_prefill_left > 0:
                 w.prefill_left[r.req_id] = r.num_prefill_left
             else:
@@ -564,6 +568,7 @@ class ClusterScheduler:
                 slot.prefill_left.pop(rid, None)
             if req.first_token_time is None:
                 req.first_token_time = ev.time
+                self._served_first_token(req, ev.time)
             req.num_output_tokens = max(req.num_output_tokens, 1)
             local = req.prefill_worker_id == req.decode_worker_id
             if local:
@@ -604,6 +609,15 @@ class ClusterScheduler:
             client = ev.reason == "reader_gone"
             self._end(rid, now, D.CLIENT_GONE if client else D.ERROR, by,
                       error=None if client else (ev.reason or "aborted"))
+
+    def _served_first_token(self, req: Request, t: float) -> None:
+        """Fair share's feedback (DESIGN §5): the tier's TTFT against its target, and the
+        prompt as served work (output tokens count as the reports show them)."""
+        spec = self.tiers[req.tier]
+        if spec.ttft_s is not None:
+            self.policy.observe_latency(req.tier, t - req.arrival_time, spec.ttft_s)
+        self.policy.record_served(req.tier, req.prompt_len,
+                                  self.est.prefill_s(max(req.prompt_len, 1), 0), t)
 
     def on_router_finish(self, req_id: str, outcome: str, now: float, *,
                          num_output_tokens: int) -> None:

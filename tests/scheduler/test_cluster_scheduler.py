@@ -227,3 +227,9 @@ def test_expected_output_is_learned_from_finished_requests_not_the_budget() -> N
     assert cs.outputs.expected(probe) == 300
     assert cs.outputs.expected(make_request("short", tier=1, out=16)) == 16  # within budget
 
+
+def test_first_tokens_feed_the_fair_share_controller() -> None:
+    cs = make_cluster()
+    _finish_one(cs, "a", 0, 0.0, num_out=20)
+    assert cs.policy.tails.p99_ratio(0) == 0.1 / 1.0  # TTFT 0.1 s against 1 s
+    assert cs.policy.ledger.total_served[0] == 50 + 19  # the prompt, then 19 output tokens
