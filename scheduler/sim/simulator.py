@@ -249,7 +249,7 @@ class Simulator:
 
     def _start_idle(self) -> None:
         for w in self.workers:
-            if not w.is_busy:
+            if not w.is_busy and w.has_work:
                 end = w.begin_step(self.now)
                 if end is not None:
                     self._at(end, STEP_DONE, (w, w.version))

@@ -130,6 +130,11 @@ class SimWorker:
         return self.step is not None
 
     @property
+    def has_work(self) -> bool:
+        """Anything for a step to do (an idle worker without it plans nothing)."""
+        return self.ws.has_work()
+
+    @property
     def has_news(self) -> bool:
         return bool(self.events or self.block_events or self.dirty or self._stepped)
 
@@ -449,6 +454,10 @@ class DecodeWorker(SimWorker):
 
     def order(self, p: PreemptOrder) -> None:
         self.orders.append(p)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.orders) or self.ws.has_work()
 
     def _has_orders(self) -> bool:
         return bool(self.orders)
