@@ -314,6 +314,7 @@ class GlobalScheduler:
         except WorkerGone:
             self.worker_failed(p.worker_id)
             return
+        self.core.on_preempt_result(p.req_id, p.worker_id, ok)
         if ok and req is not None:
             key = f"{req.tier}:{p.mode.value}"
             self.preemptions[key] = self.preemptions.get(key, 0) + 1

@@ -55,8 +55,10 @@ worker's step loop, the simulator) applies it. Public API, by module:
   (every ``control_interval_s``), and the feedback calls ``record_demand``/
   ``record_served``/``observe_latency``; ``protected_hashes`` for reuse-aware
   prefix eviction. ``scheduler.testing`` has small factories for tests.
-- ``scheduler.sim``: the discrete-event simulator running these same policies:
-  ``Simulator(trace, policy_name, cluster, CostModel(profile), tiers).run()``,
+- ``scheduler.sim``: the discrete-event simulator, which drives the serving path's own
+  ``ClusterScheduler`` and one ``WorkerScheduler`` per simulated worker against a cost
+  model: ``Simulator(trace, policy_name, cluster, CostModel(profile), tiers,
+  mode=PoolMode..., max_tokens=...).run()``,
   ``metrics.summarize(sim, load)``, trace readers in ``sim.traces``, cluster
   specs in ``sim.cluster``, profiles in ``sim.costmodel``; the CLI is
   ``tierserve simulate`` (module ``scheduler.sim.cli``). Results: RESULTS.md.

@@ -60,7 +60,9 @@ from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_cl
 S = RequestState
 D = Decision
 # Longest a rejection sheds its tier (and the tiers after it) before admission looks again.
-SHED_WINDOW_S = 2.0
+SHED_WINDOW_S = 0.5
+# A preemption order neither reported nor answered within this is forgotten.
+PREEMPT_ANSWER_S = 2.0
 # An abort that arrives before its request's submission (they travel separately) is kept
 # this long, so the late submission is refused instead of queued with nobody to read it.
 ABORT_MEMORY_S = 60.0
@@ -164,6 +166,13 @@ class WorkerSlot:
     prefill_left: dict[str, int] = field(default_factory=dict)
     # Blocks promised by dispatches whose answer is not in yet.
     num_promised: int = 0
+    # Preemptions ordered here whose event is not in yet: request -> blocks they free.
+    # Until then the victims still look like decodes, and another plan must not order
+    # more victims for the same need.
+    preempting: dict[str, int] = field(default_factory=dict)
+    # When each of those was ordered: an order the worker could not carry out (its victim
+    # had just finished, say) is answered by on_preempt_result, or forgotten after this.
+    preempting_since: dict[str, float] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -194,6 +203,34 @@ class _Entry:
     is_dispatching: bool = False
     move_class: TopologyClass | None = None
     num_blocks: int = 0
+
+
+class OutputLengths:
+    """How many tokens requests generate, learned from the ones that finished (an EWMA per
+    tier, and one over all tiers for a tier with none yet). ``max_new_tokens`` is only the
+    client's budget: predicting with it would have every request hold its blocks until
+    its budget runs out, many times longer than requests do."""
+
+    ALPHA = 0.05
+
+    def __init__(self, num_tiers: int) -> None:
+        self._by_tier: list[float | None] = [None] * num_tiers
+        self._all: float | None = None
+
+    def observe(self, tier: int, num_output_tokens: int) -> None:
+        n = float(max(num_output_tokens, 1))
+        m = self._by_tier[tier]
+        self._by_tier[tier] = n if m is None else m + self.ALPHA * (n - m)
+        self._all = n if self._all is None else self._all + self.ALPHA * (n - self._all)
+
+    def expected(self, req: Request) -> int:
+        """Tokens ``req`` is expected to generate in all (its budget until any finished)."""
+        m = self._by_tier[req.tier]
+        if m is None:
+            m = self._all
+        if m is None:
+            return req.max_new_tokens
+        return max(1, min(req.max_new_tokens, round(m)))
 
 
 class ClusterEstimate:
@@ -237,6 +274,7 @@ class ClusterScheduler:
         self.on_pick = on_pick
         self.workers: dict[str, WorkerSlot] = {}
         self.est = ClusterEstimate(self, self.new_costs())
+        self.outputs = OutputLengths(tiers.num_tiers)
         self.policy: SchedulingPolicy = (
             policy if isinstance(policy, SchedulingPolicy)
             else make_policy(policy, PolicyContext(tiers, self.est, link_costs, block_size)))
@@ -312,7 +350,7 @@ class ClusterScheduler:
             for t in range(nr.tier, self.tiers.num_tiers):
                 self._shed_until[t] = max(self._shed_until[t], until)
             return self._reject(req, now, decision.reason.value, retry)
-        self.policy.record_demand(req.tier, req.prompt_len + req.max_new_tokens, now)
+        self.policy.record_demand(req.tier, req.prompt_len + self.outputs.expected(req), now)
         self.live[req.req_id] = _Entry(req, nr.router_id)
         self.queue.push(req, now)
         return Admission(SubmitOutcome.ACCEPTED)
@@ -470,22 +508,38 @@ class ClusterScheduler:
         ordered = sorted(decode, key=lambda w: topology_class(anchor, w.info)
                          is not TopologyClass.SAME_DOMAIN)
         for w in ordered:
+            for rid in [r for r, t in w.preempting_since.items() if now - t > PREEMPT_ANSWER_S]:
+                w.preempting.pop(rid, None)
+                del w.preempting_since[rid]
+            soon_free = w.free_blocks + sum(w.preempting.values())
+            if w.preempting and soon_free >= need:
+                return  # victims ordered here already free enough: wait for them
             cands = [VictimView(self.live[rid].req, w.info, n) for rid, n in w.held.items()
                      if rid in self.live and self.live[rid].req.state is S.DECODING
-                     and not any(p.req_id == rid for p in self._preempts)]
+                     and rid not in w.preempting]
             if not cands:
                 continue
-            plan = self.policy.preempt_for(req, need, w.free_blocks, cands, now)
+            plan = self.policy.preempt_for(req, need, soon_free, cands, now)
             if plan is None or not plan.victims:
                 continue
             for v in plan.victims:
                 mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
                 self._preempts.append(PreemptOrder(v.req_id, w.worker_id, mode, req.req_id))
+                w.preempting[v.req_id] = v.num_blocks
+                w.preempting_since[v.req_id] = now
                 # Anti-thrash: the kernel reads last_preempt_time before the report.
                 self.live[v.req_id].req.last_preempt_time = now
             return
 
     # -- results and reports ---------------------------------------------------------
+
+    def on_preempt_result(self, req_id: str, worker_id: str, ok: bool) -> None:
+        """The worker's answer to a PreemptOrder; a refusal (the victim was no longer
+        decoding there) frees the need it was counted against."""
+        w = self.workers.get(worker_id)
+        if w is not None and not ok:
+            w.preempting.pop(req_id, None)
+            w.preempting_since.pop(req_id, None)
 
     def on_dispatch_result(self, req_id: str, ok: bool, now: float, *,
                            num_free_blocks: int | None = None, num_cached_blocks: int = 0,
@@ -546,7 +600,11 @@ class ClusterScheduler:
                 continue
             if w.can_decode and r.req_id in w.held:
                 w.held[r.req_id] = r.num_blocks
-                e.req.num_output_tokens = max(e.req.num_output_tokens, r.num_output_tokens)
+                grew = r.num_output_tokens - e.req.num_output_tokens
+                if grew > 0:
+                    e.req.num_output_tokens = r.num_output_tokens
+                    self.policy.record_served(e.req.tier, grew, grew * self.est.decode_token_s(),
+                                              now)
             if r.num_prefill_left > 0:
                 w.prefill_left[r.req_id] = r.num_prefill_left
             else:
@@ -560,6 +618,8 @@ class ClusterScheduler:
 
     def _on_event(self, w: WorkerSlot, ev: ReqEvent, now: float) -> None:
         rid = ev.req_id
+        w.preempting.pop(rid, None)  # whatever it says, an order for it is answered
+        w.preempting_since.pop(rid, None)
         e = self.live.get(rid)
         if e is None:
             return
@@ -572,6 +632,7 @@ class ClusterScheduler:
                 slot.prefill_left.pop(rid, None)
             if req.first_token_time is None:
                 req.first_token_time = ev.time
+                self._served_first_token(req, ev.time)
             req.num_output_tokens = max(req.num_output_tokens, 1)
             local = req.prefill_worker_id == req.decode_worker_id
             if local:
@@ -587,6 +648,8 @@ class ClusterScheduler:
             to = S.FINISHED_LENGTH if kind is WorkerEvent.FINISHED_LENGTH else S.FINISHED_STOPPED
             if req.state is S.TRANSFERRING:
                 self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
+            # Its last report's count: the tokens of the final step may be missing.
+            self.outputs.observe(req.tier, max(req.num_output_tokens, 1))
             self._move(rid, to, d, ev.time, by, mem=mem)
             self._close(rid)
         elif kind in (WorkerEvent.PREEMPTED_SWAP, WorkerEvent.PREEMPTED_RECOMPUTE):
@@ -610,6 +673,15 @@ class ClusterScheduler:
             client = ev.reason == "reader_gone"
             self._end(rid, now, D.CLIENT_GONE if client else D.ERROR, by,
                       error=None if client else (ev.reason or "aborted"))
+
+    def _served_first_token(self, req: Request, t: float) -> None:
+        """Fair share's feedback (DESIGN §5): the tier's TTFT against its target, and the
+        prompt as served work (output tokens count as the reports show them)."""
+        spec = self.tiers[req.tier]
+        if spec.ttft_s is not None:
+            self.policy.observe_latency(req.tier, t - req.arrival_time, spec.ttft_s)
+        self.policy.record_served(req.tier, req.prompt_len,
+                                  self.est.prefill_s(max(req.prompt_len, 1), 0), t)
 
     def on_router_finish(self, req_id: str, outcome: str, now: float, *,
                          num_output_tokens: int) -> None:
@@ -669,6 +741,7 @@ class ClusterScheduler:
         self.queue.remove(rid)
         for w in self.workers.values():
             w.prefill_left.pop(rid, None)
+            w.preempting.pop(rid, None)
             if rid in w.held:
                 n = w.held.pop(rid)
                 if e.is_dispatching:
@@ -707,7 +780,7 @@ class ClusterScheduler:
                 e = self.live.get(rid)
                 if e is not None:
                     held[e.req.tier] += blocks
-                    pairs.append((blocks, e.req.max_new_tokens))
+                    pairs.append((blocks, self.outputs.expected(e.req)))
         has_room = any(w.free_blocks > 0 for w in decode)
         idle = any(not w.prefill_left for w in prefillers)
         return LoadSnapshot(backlog, max(len(prefillers), 1),
@@ -721,5 +794,5 @@ def event_kind_for_preempt(mode: PreemptMode) -> WorkerEvent:
 
 
 __all__ = ["Admission", "AbortOrder", "ClusterScheduler", "DispatchOrder", "NewRequest",
-           "Plan", "PoolMode", "PreemptOrder", "ReqEvent", "SchedulerObserver", "WorkerSlot",
+           "OutputLengths", "Plan", "PoolMode", "PreemptOrder", "ReqEvent", "SchedulerObserver", "WorkerSlot",
            "event_kind_for_preempt"]

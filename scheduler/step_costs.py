@@ -128,9 +128,23 @@ class StepCosts:
                 lam = self.prior_weight * s * s
                 a[i][i] += lam
                 b[i] += lam * self.prior[i]
-            x = _solve(a, b)
-            if x is not None:
-                self._coef = tuple(max(0.0, v) for v in x)
+            # Non-negative least squares by active set: a feature whose coefficient comes
+            # out negative (collinear features: a decode's count and its context grow
+            # together) is fixed at 0 and the rest solved again; clamping instead would
+            # leave the others fitted to a model that no longer holds.
+            active = list(range(NUM_FEATURES))
+            coef = [0.0] * NUM_FEATURES
+            for _ in range(NUM_FEATURES):
+                x = _solve([[a[i][j] for j in active] for i in active], [b[i] for i in active])
+                if x is None:
+                    break
+                worst = min(range(len(active)), key=lambda k: x[k])
+                if x[worst] >= 0:
+                    for k, i in enumerate(active):
+                        coef[i] = x[k]
+                    self._coef = tuple(coef)
+                    break
+                del active[worst]
         return self._coef
 
     # -- predicting -----------------------------------------------------------------

@@ -127,6 +127,8 @@ class StepView:
     taken: list[str] = field(default_factory=list)  # prefills offered and taken
     # Decode iterations the step runs (each decode grows by up to this many tokens).
     num_decode_steps: int = 1
+    # A request is not preempted twice within this window (the tiers' anti-thrash).
+    anti_thrash_s: float = 1.0
     # Selections made, when the caller asked for them (None: not recorded).
     picks: list[Pick] | None = None
 
@@ -183,7 +185,30 @@ def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPol
                 free -= n
                 offers.append((r, Verdict.TAKE))
         view.record(PickSite.GROW, offers)
-        decodes = [d for d in decodes if d.req_id not in stalled]
+        window = view.anti_thrash_s
+        outside = [r for r in order if r.last_preempt_time is None
+                   or view.now - r.last_preempt_time >= window]
+        if decodes and outside and all(d.req_id in stalled for d in decodes):
+            # Every decode needs a block and none may be evicted by the policy: nothing
+            # would ever run again here. Recompute the last in policy order outside its
+            # anti-thrash window (vLLM evicts its lowest-priority running request); the
+            # others then grow in its blocks. Inside every window: wait for one to pass.
+            last = outside[-1]
+            lr = view.local[last.req_id]
+            victims.append(Victim(last.req_id, PreemptMode.RECOMPUTE, lr.num_blocks, 0.0))
+            free += lr.num_blocks
+            decodes = [d for d in decodes if d.req_id != last.req_id]
+            fits: set[str] = set()
+            for r in order:  # most urgent first, each takes the blocks it needs
+                n = growth[r.req_id]
+                if r.req_id != last.req_id and n <= free:
+                    free -= n
+                    fits.add(r.req_id)
+                elif r.req_id != last.req_id:
+                    break
+            decodes = [d for d in decodes if d.req_id in fits or d.req_id not in growth]
+        else:
+            decodes = [d for d in decodes if d.req_id not in stalled]
     else:
         free -= sum(growth.values())
     return decodes, victims, free
@@ -364,7 +389,10 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
         all_shape = StepShape(num_decodes=n, decode_context=ctx)
         view.record(PickSite.DECODE, offers, [d.req for d in decodes[len(offers):]])
     elif decodes and view.picks is not None:
-        view.record(PickSite.DECODE, [(d.req, Verdict.TAKE) for d in batch],
+        # All of them run in the same step; recorded in policy order (what the tier-order
+        # check reads: none was passed over for another).
+        ranked = policy.order([d.req for d in batch], view.now)
+        view.record(PickSite.DECODE, [(r, Verdict.TAKE) for r in ranked],
                     [d.req for d in decodes[limit:]])
     base = all_shape
     seconds = step_cap_s
@@ -432,6 +460,8 @@ class WorkerScheduler:
         self.worker = worker
         self.policy = policy
         self.costs = costs
+        tiers = getattr(policy, "tiers", None)
+        self.anti_thrash_s = tiers.anti_thrash_s if tiers is not None else 1.0
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -528,6 +558,7 @@ class WorkerScheduler:
                         list(self.swapped.values()), num_free_blocks, self.block_size,
                         self.costs, self.max_num_seqs, self.max_num_batched_tokens,
                         self.chunk_tokens, num_decode_steps=self.num_decode_steps,
+                        anti_thrash_s=self.anti_thrash_s,
                         picks=None if self.on_pick is None else [])
         plan = self.policy.compose_step(view)
         if view.picks:

@@ -2,7 +2,10 @@
 
 Prints one table row per policy, load and tier; ``--json`` writes
 ``{"runs": [...]}`` (see :func:`scheduler.sim.metrics.summarize` for the fields);
-``--plot`` draws tier-0 attainment and goodput against load.
+``--plot`` draws tier-0 attainment and goodput against load. ``--mode`` picks where
+prefills run (the cluster scheduler's ``PoolMode``); ``--max-tokens`` is every
+request's max_tokens budget, what the kernel sees in place of the trace's output
+length (which only decides where the simulated model emits EOS).
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import json
 import sys
 from pathlib import Path
 
+from scheduler.cluster_scheduler import PoolMode
 from scheduler.ordering import UnknownPolicy
 from scheduler.policies import POLICY_NAMES, make_policy
 from scheduler.policy import PolicyContext
 from scheduler.sim.cluster import DEFAULT_CLUSTER, ClusterSpecError, parse_cluster
 from scheduler.sim.costmodel import PROFILES, CostModel
 from scheduler.sim.metrics import summarize
-from scheduler.sim.simulator import Simulator
+from scheduler.sim.simulator import DEFAULT_MAX_TOKENS, Simulator
 from scheduler.sim.traces import TraceError, guess_format, read_trace, scale_load
 from scheduler.tiers import ConfigError, TierMix, default_tiers
 
@@ -35,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulate arrivals of the first S seconds (after scaling)")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="e.g. " + DEFAULT_CLUSTER)
     p.add_argument("--profile", choices=sorted(PROFILES), default="h200-llama3-8b")
+    p.add_argument("--mode", choices=[m.value for m in PoolMode], default=PoolMode.DISAGGREGATED.value,
+                   help="where prefills run: the prefill pool (disaggregated), the decode worker "
+                        "itself (aggregated: every worker does both), or per request (auto)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="every request's max_tokens budget as the kernel sees it; a request ends at "
+                        "the trace's output length (EOS) or at this budget, whichever comes first")
     p.add_argument("--seed", type=int, default=0, help="seed for the tier mix and synthetic traces")
     p.add_argument("--tier-mix", default="10,40,30,20", help="tier percentages when the trace has none")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
@@ -102,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         if len(mix.fractions) != tiers.num_tiers:
             raise ConfigError(f"--tier-mix: {len(mix.fractions)} values for {tiers.num_tiers} tiers")
         loads = _floats(args.load, "--load")
+        if args.max_tokens < 1:
+            raise ConfigError(f"--max-tokens: must be at least 1, got {args.max_tokens}")
+        mode = PoolMode(args.mode)
         profile = PROFILES[args.profile]
         cost = CostModel(profile)
         cluster = parse_cluster(args.cluster, profile.kv_blocks_per_worker)
@@ -121,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     for load in loads:
         trace = scale_load(base, load, args.duration)
         for name in names:
-            sim = Simulator(trace, name, cluster, cost, tiers).run()
+            sim = Simulator(trace, name, cluster, cost, tiers, mode=mode,
+                            max_tokens=args.max_tokens).run()
             r = summarize(sim, load, with_belady=(fmt != "azure"))
             runs.append(r)
             for line in _row(r):

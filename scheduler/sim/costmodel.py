@@ -11,7 +11,16 @@ cluster would make from measured figures).
 - Decode step over a batch of ``b`` requests holding ``t`` context tokens: the
   larger of reading the weights and the KV (``weight_bytes + t x kv_bytes_per_token``
   at ``hbm_bw x bw_eff``) and the dense FLOPs for ``b`` tokens, plus overhead.
+- A mixed step (prefill chunks and decodes in one forward, on a worker that does
+  both): the larger of the two fixed costs plus the larger of the memory time and
+  the compute time of everything in it; with only chunks or only decodes it is the
+  prefill or the decode step above.
 - Block moves and swaps: :class:`scheduler.topology.LinkCosts` per class.
+
+The simulator's workers take their step times from here, but the kernel never reads
+them directly: each worker's :class:`scheduler.step_costs.StepCosts` learns from the
+times of the steps it ran, seeded with :meth:`CostModel.step_prior` (the same linear
+model, exact for a prefill-only step and for a memory-bound decode step).
 """
 
 from __future__ import annotations
@@ -163,3 +172,24 @@ class CostModel:
 
     def decode_token_s(self) -> float:
         return self._typical_tpot
+
+    def step_s(self, prefill_flops: float, num_decodes: int, decode_context: int) -> float:
+        """One step of prefill chunks (their FLOPs) and ``num_decodes`` decodes holding
+        ``decode_context`` tokens, run as one forward."""
+        if not num_decodes:
+            return self.prefill_step_s(prefill_flops)
+        p = self.profile
+        mem = (p.weight_bytes + decode_context * p.kv_bytes_per_token) / self._bw
+        comp = (prefill_flops + self._dense * num_decodes) / self._flops_rate
+        fixed = max(p.prefill_overhead_s, p.decode_overhead_s) if prefill_flops else p.decode_overhead_s
+        return fixed + max(mem, comp)
+
+    def step_prior(self, prefill_only: bool) -> tuple[float, float, float, float, float]:
+        """StepCosts coefficients (fixed, per prefill token, per prefill attention unit,
+        per decode, per decode context token) from the profile: a prefill worker's fixed
+        cost is the prefill step's, a decode worker's the decode step's (its overhead
+        plus reading the weights)."""
+        p = self.profile
+        fixed = p.prefill_overhead_s if prefill_only else p.decode_overhead_s + p.weight_bytes / self._bw
+        return (fixed, self._dense / self._flops_rate, self._attn / self._flops_rate, 0.0,
+                p.kv_bytes_per_token / self._bw)

@@ -9,6 +9,10 @@ requests were still arriving (prompt tokens at the first token, output tokens
 at completion, up to the last arrival), which is where a tier can be squeezed.
 A tier starves when either is below 80 % of min(its share, its demand). Invariant counts cover the
 whole run.
+
+Output tokens are what the client got (the trace's output length, capped by the run's
+``max_tokens``); the request's ``max_new_tokens`` is only the budget the kernel saw.
+A request is completed when it finished by EOS (stop) or by its budget (length).
 """
 
 from __future__ import annotations
@@ -42,33 +46,35 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
     out_tokens = 0
     last = 0.0
     window_end = max((j.req.arrival_time for j in sim.jobs.values()), default=0.0)
+    done_states = (RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH)
     for job in sim.jobs.values():
         req = job.req
+        out = job.num_output_tokens
         p = per[req.tier]
         p["total"] += 1  # type: ignore[operator]
         spec = tiers[req.tier]
         # Feasible: its prefill alone, on an idle worker with a cold cache, fits TTFT.
         feasible = spec.ttft_s is None or sim.cost.prefill_s(req.prompt_len, 0) <= spec.ttft_s
         p["feasible"] += int(feasible)  # type: ignore[operator]
-        p["demand"] += req.prompt_len + req.max_new_tokens  # type: ignore[operator]
+        p["demand"] += req.prompt_len + out  # type: ignore[operator]
         if req.state is RequestState.REJECTED:
             p["rejected"] += 1  # type: ignore[operator]
             continue
-        if req.state is not RequestState.FINISHED_LENGTH or req.first_token_time is None:
+        if req.state not in done_states or req.first_token_time is None:
             continue
         ttft = req.first_token_time - req.arrival_time
         e2e = req.finish_time - req.arrival_time  # type: ignore[operator]
-        tpot = ((req.finish_time - req.first_token_time) / (req.max_new_tokens - 1)  # type: ignore[operator]
-                if req.max_new_tokens > 1 else 0.0)
+        tpot = ((req.finish_time - req.first_token_time) / (out - 1)  # type: ignore[operator]
+                if out > 1 else 0.0)
         p["ttft"].append(ttft)  # type: ignore[union-attr]
         p["tpot"].append(tpot)  # type: ignore[union-attr]
         p["completed"] += 1  # type: ignore[operator]
-        p["tokens"] += req.prompt_len + req.max_new_tokens  # type: ignore[operator]
+        p["tokens"] += req.prompt_len + out  # type: ignore[operator]
         if req.first_token_time <= window_end:
             p["loaded"] += req.prompt_len  # type: ignore[operator]
         if req.finish_time is not None and req.finish_time <= window_end:
-            p["loaded"] += req.max_new_tokens  # type: ignore[operator]
-        out_tokens += req.max_new_tokens
+            p["loaded"] += out  # type: ignore[operator]
+        out_tokens += out
         last = max(last, req.finish_time or 0.0)
         ok = ((spec.ttft_s is None or ttft <= spec.ttft_s)
               and (spec.tpot_s is None or tpot <= spec.tpot_s)
@@ -117,6 +123,8 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
     run: dict[str, object] = {
         "policy": sim.policy.name if ":" not in sim.policy_label else sim.policy_label,
         "load": load,
+        "mode": sim.mode.value,
+        "max_tokens": sim.max_tokens,
         "goodput_rps": attained / span,
         "throughput_tok_s": out_tokens / max(last, 1e-9),
         "preemptions": sim.num_preemptions,

@@ -1,543 +1,350 @@
-"""Discrete-event simulator: a trace through the real kernel against a cost model.
+"""Discrete-event simulator: a trace through the cluster's own scheduler objects.
 
-Data flow per request (the same decisions a live cluster asks the kernel for):
+The kernel decides and the simulator carries out (DESIGN §2): one
+:class:`~scheduler.cluster_scheduler.ClusterScheduler` makes every global decision
+(admission, the wait queue, placement, decode reservations, the dispatch horizon,
+preemption for arrivals, the request state machine) and one
+:class:`~scheduler.step_planner.WorkerScheduler` per simulated worker makes every step
+decision: the objects the serving path runs. The simulator owns the clock and the event
+queue, applies their plans to the simulated workers (:mod:`scheduler.sim.workers`) and
+feeds the results back, as the global scheduler actor and the workers do. RPCs take no
+time.
 
-1. arrival: ``policy.admit`` (reject ends it), ``policy.place_prefill`` picks a
-   prefill worker (prefix match from that worker's index + queued work).
-2. prefill step (chunked, ``prefill_chunk_tokens`` per step): the worker's wait
-   queue offers requests in policy order; starting one pins its cached prefix
-   and reserves its decode blocks (``policy.place_decode``; failing that,
-   ``policy.preempt_for`` may preempt, else the request is skipped or, for
-   strict-FCFS peers, the step stops there). The first token comes out of prefill.
-3. transfer: blocks move to the decode worker, priced by topology class.
-4. decode: continuous batching in macro-steps of up to ``K_MAX`` identical
-   steps (cut short when a request joins or finishes); blocks grow one block
-   per ``block_size`` tokens; when they run out, ``policy.on_kv_pressure``
-   picks victims (swap, recompute or migrate); a request whose next block is
-   not there and that no eligible victim can make room for sits the step out.
-5. every control interval: ``policy.tick`` (deadline watcher, fair share) and
-   the KV-budget and share invariants.
+Data flow, each hop a message of the live cluster:
 
-Every state change goes through :func:`scheduler.request.transition`, so the
-records the invariants check are the ones a live cluster would produce.
+1. arrival: ``ClusterScheduler.submit`` gets what a router sends: the prompt's length
+   and block hashes and the ``max_tokens`` budget. The trace's output length stays in
+   the simulator: the simulated decode ends there (EOS); the kernel never sees it.
+2. after the events of each instant: the workers' reports (prefill workers first), then
+   ``plan`` and its orders: a dispatch reserves the blocks on the decode worker (its
+   answer goes back at once) and starts the prefill on the prefill worker, or on the
+   decode worker itself; a preempt order reaches the decode worker before its next
+   step; an abort drops the request where it is. Then every idle worker plans a step.
+3. a step ends: the worker commits it (its StepCosts learn the step's time) and reports.
+4. a prefill ends: the first token is out, the KV moves to the decode worker in the
+   time ``LinkCosts`` gives the pair's topology class, and it decodes there.
+5. every control interval: the KV-budget and shares invariants (the cluster scheduler
+   ticks its policy inside ``plan``).
+
+Pool modes: ``disaggregated`` (the cluster spec's prefill and decode pools), ``auto``
+(the same, and the decode workers may prefill short prompts themselves) and
+``aggregated`` (every worker of the spec prefills and decodes; no prefix cache there).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
+from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, Plan, PoolMode
 from scheduler.invariants import Violation, check_kv_budget, check_shares
-from scheduler.kv import KVBlockAccount
-from scheduler.placement import DecodeView, PrefillView
 from scheduler.policies import make_policy
-from scheduler.policy import PolicyContext, SchedulingPolicy
-from scheduler.preemption import PreemptionPlan, PreemptMode, Victim, VictimView
-from scheduler.prefix_index import PrefixIndex
-from scheduler.queues import Verdict
-from scheduler.request import Decision, Request, RequestState, transition
+from scheduler.policy import PolicyContext
+from scheduler.request import DecisionRecord, Request, RequestState
 from scheduler.sim.cluster import ClusterSpec
 from scheduler.sim.costmodel import CostModel
-from scheduler.sim.traces import TraceRequest
-from scheduler.sim.workers import DecodeWorker, Job, PrefillWorker
+from scheduler.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from scheduler.sim.workers import DecodeWorker, Held, PrefillWorker, SimWorker
+from scheduler.step_costs import StepCosts
+from scheduler.step_planner import WorkerScheduler
 from scheduler.tiers import TierConfig
-from scheduler.topology import TopologyClass
+from scheduler.topology import WorkerInfo, WorkerRole
 
-S = RequestState
-K_MAX = 16
-ARRIVAL, PREFILL_DONE, TRANSFER_DONE, DECODE_DONE, TICK, RESUME = range(6)
+ARRIVAL, STEP_DONE, TRANSFER_DONE, TICK = range(4)
+# A request's max_tokens when the trace gives none (every trace here): a generous cap
+# above the longest output of the Azure and Mooncake traces (1,000 and 2,000 tokens).
+DEFAULT_MAX_TOKENS = 2048
 # Share of a prefill worker's KV blocks its prefix cache may use.
 PREFIX_CACHE_FRACTION = 0.9
+# Rounds of (reports, plan, start steps) per instant before the next event.
+MAX_DRIVE_ROUNDS = 4
+# Live requests and nothing moved for this long: the kernel deadlocked.
+STALL_S = 3600.0
+
+
+class SimulationStalled(RuntimeError):
+    """Requests are live but nothing has moved for ``STALL_S`` simulated seconds."""
+
+
+@dataclass(slots=True)
+class Job:
+    """One trace request: what the model will produce, and the cluster's request."""
+
+    trace: TraceRequest
+    # Tokens the client gets: where the model emits EOS, capped by max_tokens.
+    num_output_tokens: int
+    is_length: bool  # it ends at max_tokens (finish "length"), not at EOS
+    req: Request | None = None  # the ClusterScheduler's request, once submitted
+
+
+class _Observer:
+    """The cluster scheduler's observer: the simulator learns which requests ended."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def on_decision(self, rec: DecisionRecord, tier: int) -> None:
+        pass
+
+    def on_closed(self, req: Request) -> None:
+        self.sim._closed(req)
+
+    def on_prefix_lookup(self, num_blocks: int, num_hit: int) -> None:
+        pass
 
 
 class Simulator:
     def __init__(self, trace: Sequence[TraceRequest], policy_name: str, cluster: ClusterSpec,
-                 cost: CostModel, tiers: TierConfig) -> None:
+                 cost: CostModel, tiers: TierConfig, *,
+                 mode: PoolMode = PoolMode.DISAGGREGATED,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0) -> None:
+        """``prior_scale`` multiplies the profile's step-cost priors (tests use it to show
+        that the workers' StepCosts learn the step times anyway)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         self.cost = cost
         self.tiers = tiers
         self.bs = cost.block_size
+        self.mode = mode
+        self.max_tokens = max_tokens
         self.policy_label = policy_name
-        self.policy: SchedulingPolicy = make_policy(
-            policy_name, PolicyContext(tiers, cost, cost.links, self.bs))
         self.trace = list(trace)
-        self.prefill: list[PrefillWorker] = []
-        for info in cluster.prefill:
-            hbt = self.trace[0].hash_block_tokens if self.trace else 512
-            hbm_tokens = info.num_kv_blocks * PREFIX_CACHE_FRACTION * self.bs
-            host_tokens = cluster.host_cache_gb * 1e9 / cost.profile.kv_bytes_per_token
-            cap = max(1, int((hbm_tokens + host_tokens) // hbt))
-            self.prefill.append(PrefillWorker(info, self.policy.make_queue(), PrefixIndex(cap),
-                                              [0.0] * tiers.num_tiers))
-        self.decode = [DecodeWorker(i, KVBlockAccount(i.worker_id, i.num_kv_blocks))
-                       for i in cluster.decode]
-        # With a host tier, every prefix hit is charged a host-to-device copy (a
-        # conservative price: some hits are really still in HBM).
+        p = cost.profile
+        chunk = p.prefill_chunk_tokens
+
+        def prior(prefill_only: bool) -> tuple[float, ...]:
+            return tuple(c * prior_scale for c in cost.step_prior(prefill_only))
+
+        self.cs = ClusterScheduler(tiers, policy_name, self.bs, cost.links, mode=mode,
+                                   cost_prior=prior(False), chunk_tokens=chunk,
+                                   observer=_Observer(self))
+        self.policy = self.cs.policy
+
+        def planner(info: WorkerInfo, prefill_only: bool) -> WorkerScheduler:
+            # Each worker builds its own policy over its own learned costs, as a live one.
+            costs = StepCosts(prior(prefill_only), chunk_tokens=chunk)
+            policy = make_policy(policy_name, PolicyContext(tiers, costs, cost.links, self.bs))
+            return WorkerScheduler(info, policy, costs, block_size=self.bs,
+                                   max_num_seqs=p.max_batch, max_num_batched_tokens=chunk,
+                                   chunk_tokens=chunk)
+
+        hbt = self.trace[0].hash_block_tokens if self.trace else MOONCAKE_BLOCK_TOKENS
         self.host_tier = cluster.host_cache_gb > 0
+        self.prefill: list[PrefillWorker] = []
+        self.decode: list[DecodeWorker] = []
+        if mode is PoolMode.AGGREGATED:
+            decode_infos = [replace(i, role=WorkerRole.DECODE)
+                            for i in (*cluster.prefill, *cluster.decode)]
+        else:
+            decode_infos = list(cluster.decode)
+            for info in cluster.prefill:
+                hbm_tokens = info.num_kv_blocks * PREFIX_CACHE_FRACTION * self.bs
+                host_tokens = cluster.host_cache_gb * 1e9 / p.kv_bytes_per_token
+                cap = max(1, int((hbm_tokens + host_tokens) // hbt))
+                self.prefill.append(PrefillWorker(info, planner(info, True), cost, cap, hbt,
+                                                  self.host_tier))
+        for info in decode_infos:
+            self.decode.append(DecodeWorker(info, planner(info, False), cost))
+        self.workers: list[SimWorker] = [*self.prefill, *self.decode]  # report order
+        self.by_id: dict[str, SimWorker] = {w.worker_id: w for w in self.workers}
+        for w in self.prefill:
+            self.cs.add_worker(w.info, w.info.num_kv_blocks, can_prefill=True, can_decode=False)
+        for w in self.decode:
+            self.cs.add_worker(w.info, w.info.num_kv_blocks,
+                               can_prefill=mode is not PoolMode.DISAGGREGATED, can_decode=True)
+        for w in self.workers:  # registration: each worker's step costs, its prior so far
+            self.cs.on_report(w.report(), 0.0)
+
         self.jobs: dict[str, Job] = {}
-        self.done: list[Job] = []
+        for tr in self.trace:
+            n = min(tr.output_len, max_tokens)
+            self.jobs[tr.req_id] = Job(tr, n, tr.output_len >= max_tokens)
+        self._hash_parts: dict[int, tuple[int, ...]] = {}
         self.violations: list[Violation] = []
+        # (time, request, decode worker, prefill worker or None) per applied dispatch.
+        self.dispatch_log: list[tuple[float, str, str, str | None]] = []
         self.now = 0.0
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
-        self._unfinished = 0
-        self.num_preemptions = 0
+        self._unfinished = len(self.trace)
+        self._last_progress = 0.0
         self.wall_s = 0.0
-        self._kv_queued = [0] * tiers.num_tiers  # decode blocks queued jobs wait for
 
-    # -- event plumbing -------------------------------------------------------
+    @property
+    def num_preemptions(self) -> int:
+        return self.cs.num_preemptions
+
+    # -- the wire ----------------------------------------------------------------------
+
+    def kv_block_hashes(self, tr: TraceRequest) -> tuple[int, ...]:
+        """The prompt's full KV blocks' hashes, as a router computes them: each of the
+        trace's prefix ids (``hash_block_tokens`` tokens) stands for that many tokens'
+        blocks, numbered within it (equal ids, equal prefix: equal block hashes)."""
+        if not tr.hashes:
+            return ()
+        per = max(1, tr.hash_block_tokens // self.bs)
+        num_full = tr.prompt_len // self.bs
+        out: list[int] = []
+        for h in tr.hashes:
+            parts = self._hash_parts.get(h)
+            if parts is None:
+                parts = self._hash_parts[h] = tuple(h * per + i for i in range(per))
+            out.extend(parts)
+            if len(out) >= num_full:
+                break
+        return tuple(out[:num_full])
+
+    def new_request(self, tr: TraceRequest) -> NewRequest:
+        """What the router submits for ``tr``."""
+        return NewRequest(tr.req_id, tr.tier, tr.arrival, tr.prompt_len, self.max_tokens,
+                          self.kv_block_hashes(tr))
+
+    def _wire_copy(self, nr: NewRequest) -> Request:
+        """A worker's own request, built from what the dispatch carries."""
+        return Request(nr.req_id, nr.tier, nr.arrival_time, nr.prompt_len, nr.max_new_tokens,
+                       block_hashes=nr.block_hashes, state=RequestState.PREFILLING)
+
+    # -- the event loop ----------------------------------------------------------------
+
     def _at(self, t: float, kind: int, obj: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, obj))
 
     def run(self) -> Simulator:
         t0 = time.perf_counter()
-        for tr in self.trace:
-            req = Request(tr.req_id, tr.tier, tr.arrival, tr.prompt_len, tr.output_len,
-                          block_hashes=tr.hashes)
-            job = Job(req, tr, ctx_target=tr.prompt_len)
-            self.jobs[tr.req_id] = job
-            self._at(tr.arrival, ARRIVAL, job)
-        self._unfinished = len(self.trace)
+        for job in self.jobs.values():
+            self._at(job.trace.arrival, ARRIVAL, job)
         if self.trace:
             self._at(self.trace[0].arrival, TICK, None)
-        handlers = {ARRIVAL: self._on_arrival, PREFILL_DONE: self._on_prefill_done,
-                    TRANSFER_DONE: self._on_transfer_done, DECODE_DONE: self._on_decode_done,
-                    TICK: self._on_tick, RESUME: self._on_resume}
+        handlers = {ARRIVAL: self._on_arrival, STEP_DONE: self._on_step_done,
+                    TRANSFER_DONE: self._on_transfer_done, TICK: self._on_tick}
         events = self._events
         while events:
             t, _, kind, obj = heapq.heappop(events)
             self.now = t
             handlers[kind](obj)
+            if not events or events[0][0] > t:
+                self._drive()
+        self._deliver()
         self.wall_s = time.perf_counter() - t0
         return self
 
-    def _record(self, job: Job, to: RequestState, decision: Decision, why: str,
-                mem: float = 0.0, hit: int = 0, blocking: str | None = None) -> None:
-        transition(job.req, to, decision=decision, triggered_by=why, now=self.now,
-                   mem_pressure=mem, kv_reuse_hit=hit, blocking_req_id=blocking)
+    def _drive(self) -> None:
+        """Reports in, the cluster's plan out and applied, idle workers stepping."""
+        for _ in range(MAX_DRIVE_ROUNDS):
+            self._deliver()
+            plan = self.cs.plan(self.now)
+            self._apply(plan)
+            self._start_idle()
+            if plan.is_empty and not any(w.has_news for w in self.workers):
+                return
+        self._deliver()
 
-    # -- arrival and prefill ---------------------------------------------------
-    def _load(self) -> LoadSnapshot:
-        n = self.tiers.num_tiers
-        backlog = [sum(w.backlog[t] for w in self.prefill) for t in range(n)]
-        queued = list(self._kv_queued)
-        held = [0] * n
-        pairs = []
-        for dw in self.decode:
-            for j in itertools.chain(dw.running.values(), dw.pending):
-                held[j.req.tier] += j.num_blocks
-                pairs.append((j.num_blocks, j.req.max_new_tokens))
-            for j in dw.swapped:
-                queued[j.req.tier] += j.num_blocks
-        return LoadSnapshot(backlog, len(self.prefill), any(not w.busy for w in self.prefill),
-                            queued, held, sum(d.account.num_free for d in self.decode),
-                            kv_release_rate(pairs, self.cost.decode_token_s()), self.bs)
+    def _deliver(self) -> None:
+        for w in self.workers:
+            if w.has_news:
+                self.cs.on_report(w.report(), self.now)
+            for rid in w.refused_orders:
+                self.cs.on_preempt_result(rid, w.worker_id, False)
+            w.refused_orders.clear()
 
-    def _want_kv(self, job: Job, blocks: int) -> None:
-        """Count (blocks > 0) or uncount (0) the decode blocks a queued job waits for."""
-        self._kv_queued[job.req.tier] += blocks - job.kv_wanted
-        job.kv_wanted = blocks
+    def _start_idle(self) -> None:
+        for w in self.workers:
+            if not w.is_busy and w.has_work:
+                end = w.begin_step(self.now)
+                if end is not None:
+                    self._at(end, STEP_DONE, (w, w.version))
+
+    def _cut(self, w: SimWorker) -> None:
+        end = w.cut(self.now)
+        if end is not None:
+            self._at(end, STEP_DONE, (w, w.version))
+
+    # -- applying the plan -------------------------------------------------------------
+
+    def _apply(self, plan: Plan) -> None:
+        now = self.now
+        for a in plan.aborts:
+            for wid in a.worker_ids:
+                w = self.by_id[wid]
+                w.drop(a.req_id, now)
+                self._cut(w)
+        for p in plan.preempts:
+            dw = self.by_id[p.worker_id]
+            assert isinstance(dw, DecodeWorker)
+            dw.order(p)
+            self._cut(dw)
+        for d in plan.dispatches:
+            job = self.jobs[d.req_id]
+            nr = self.new_request(job.trace)
+            dw = self.by_id[d.decode_worker_id]
+            assert isinstance(dw, DecodeWorker)
+            ok = dw.reserve(Held(self._wire_copy(nr), job.num_output_tokens, job.is_length),
+                            d.num_blocks)
+            self.dispatch_log.append((now, d.req_id, d.decode_worker_id, d.prefill_worker_id))
+            self.cs.on_dispatch_result(d.req_id, ok, now, num_free_blocks=dw.account.num_free)
+            if not ok:
+                continue
+            if d.prefill_worker_id is None:
+                dw.start_local_prefill(d.req_id, now)
+                self._cut(dw)
+                continue
+            pw = self.by_id[d.prefill_worker_id]
+            assert isinstance(pw, PrefillWorker)
+            pw.start_prefill(Held(self._wire_copy(nr), job.num_output_tokens, job.is_length,
+                                  decode_worker_id=dw.worker_id, move_class=d.move_class),
+                             job.trace.hashes, now)
+
+    # -- events ------------------------------------------------------------------------
 
     def _on_arrival(self, job: Job) -> None:
-        req = job.req
-        self.policy.record_demand(req.tier, req.prompt_len + req.max_new_tokens, self.now)
-        decision = self.policy.admit(req, self.now, self._load())
-        if decision.kind is AdmissionKind.REJECT:
-            self._record(job, S.REJECTED, Decision.REJECT, decision.reason.value)
-            self._finish(job)
+        tr = job.trace
+        self._last_progress = self.now
+        self.cs.submit(self.new_request(tr), self.now)
+        job.req = self.cs.get(tr.req_id) or job.req  # a rejected one came via on_closed
+
+    def _closed(self, req: Request) -> None:
+        job = self.jobs.get(req.req_id)
+        if job is not None:
+            job.req = req
+            self._unfinished -= 1
+            self._last_progress = self.now
+
+    def _on_step_done(self, arg: tuple[SimWorker, int]) -> None:
+        w, version = arg
+        if version != w.version or not w.is_busy:
+            return  # a step that was cut short ends at its new time
+        self._last_progress = self.now
+        done = w.finish_step(self.now)
+        if isinstance(w, PrefillWorker):
+            for rid in done:
+                self._prefilled(w, rid)
+
+    def _prefilled(self, pw: PrefillWorker, req_id: str) -> None:
+        """The first token is out: the decode worker hears it, then the KV moves there."""
+        h = pw.held[req_id]
+        dw = self.by_id[h.decode_worker_id or ""]
+        assert isinstance(dw, DecodeWorker)
+        if dw.prefilled(req_id, self.now):
+            pw.release_kv(req_id)
             return
-        self._place_prefill(job)
+        dt = self.cost.links.move_s(dw.account.blocks_of(req_id), h.move_class)
+        self._at(self.now + dt, TRANSFER_DONE, (pw, dw, req_id))
 
-    def _place_prefill(self, job: Job) -> None:
-        req = job.req
-        views = [PrefillView(w.info, w.backlog_s, w.index.match_len(req.block_hashes)
-                             if w.index is not None and req.block_hashes else 0)
-                 for w in self.prefill]
-        hbt_blocks = max(1, job.trace.hash_block_tokens // self.bs)
-        views = [PrefillView(v.info, v.backlog_s, v.match_blocks * hbt_blocks, tuple(w.backlog))
-                 for v, w in zip(views, self.prefill, strict=True)]
-        chosen = self.policy.place_prefill(req, views)
-        pw = next(w for w in self.prefill if chosen is not None and w.info == chosen.info)
-        job.prefill = pw
-        job.started = False
-        job.queued_est = self.cost.prefill_s(max(job.ctx_target - req.num_computed_tokens, 1),
-                                             req.num_computed_tokens)
-        pw.backlog[req.tier] += job.queued_est
-        self._want_kv(job, -(-(job.ctx_target + 1) // self.bs))
-        pw.queue.push(req, self.now)
-        if not pw.busy:
-            self._start_prefill(pw)
-
-    def _begin(self, pw: PrefillWorker, job: Job, failed: dict[int, int]) -> Verdict:
-        """Start a request's prefill here: reserve decode blocks, pin its prefix.
-
-        ``failed`` maps tier -> smallest block need that found no decode room in
-        this step: a request of that or a lower tier needing as much fails too.
-        """
-        req = job.req
-        need = -(-(job.ctx_target + 1) // self.bs)
-        blocked = any(t <= req.tier and n <= need for t, n in failed.items())
-        dw = None if blocked else self._reserve_decode(job, need, pw)
-        if dw is None:
-            failed[req.tier] = min(need, failed.get(req.tier, need))
-            return Verdict.SKIP if self.policy.skips_blocked else Verdict.STOP
-        hits = 0
-        if pw.index is not None and req.block_hashes:
-            got = pw.index.acquire(req.block_hashes, lambda: self._protected(pw))
-            if got is None:
-                self._release_decode(job)
-                self._want_kv(job, need)
-                return Verdict.SKIP
-            hits = got
-            job.num_pinned = len(req.block_hashes)
-            pw.accesses.append(req.block_hashes)
-        cached = min(hits * job.trace.hash_block_tokens, job.ctx_target - 1)
-        if self.host_tier and cached > req.num_computed_tokens:
-            job.num_loaded_blocks = -(-(cached - req.num_computed_tokens) // self.bs)
-        req.num_computed_tokens = max(req.num_computed_tokens, cached)
-        job.started = True
-        self._record(job, S.PREFILLING, Decision.SCHEDULE_PREFILL, "prefill_step",
-                     mem=dw.account.mem_pressure, hit=hits * job.trace.hash_block_tokens // self.bs)
-        return Verdict.TAKE
-
-    def _protected(self, pw: PrefillWorker) -> Collection[int]:
-        """Hashes prefixing waiting requests worth keeping, computed once per step."""
-        if pw.protected is None:
-            pw.protected = self.policy.protected_hashes(pw.queue.requests())
-        return pw.protected
-
-    def _reserve_decode(self, job: Job, need: int, pw: PrefillWorker) -> DecodeWorker | None:
-        views = [DecodeView(d.info, d.account.num_free, len(d.running)) for d in self.decode]
-        choice = self.policy.place_decode(job.req, need, views, pw.info)
-        if choice is None:
-            def soon_free(d: DecodeWorker) -> int:
-                return d.account.num_free + sum(v.num_blocks for _, v in d.doomed)  # type: ignore[attr-defined]
-
-            target = max(self.decode, key=soon_free)
-            if soon_free(target) >= need and target.doomed:
-                return None  # victims already chosen free enough at the end of this step
-            plan = self.policy.preempt_for(job.req, need, soon_free(target),
-                                           self._victim_views(target), self.now)
-            if plan is not None:
-                self._doom(target, plan, job.req.req_id)
-            return None
-        dw = next(d for d in self.decode if d.info == choice.view.info)
-        if not dw.account.allocate(job.req.req_id, need):
-            return None
-        job.decode = dw
-        job.num_blocks = need
-        job.move_class = choice.move_class
-        self._want_kv(job, 0)
-        return dw
-
-    def _start_prefill(self, pw: PrefillWorker) -> None:
-        pw.busy = True  # deciding: a wake-up from inside this step must not re-enter
-        pw.protected = None
-        budget = [self.policy.prefill_step_tokens(self.cost.profile.prefill_chunk_tokens)]
-        batch: list[tuple[Job, int]] = []
-        failed: dict[int, int] = {}
-        cost = self.cost
-        step_s = self.policy.prefill_step_seconds()
-        flops_left: list[float | None] = [
-            None if step_s is None
-            else max(step_s - cost.profile.prefill_overhead_s, 0.0) * cost.flops_rate]
-
-        def accept(req: Request) -> Verdict:
-            # A step always takes its first chunk, whatever the time budget says.
-            if budget[0] <= 0 or (flops_left[0] is not None and flops_left[0] <= 0 and batch):
-                return Verdict.STOP
-            job = self.jobs[req.req_id]
-            if not job.started:
-                v = self._begin(pw, job, failed)
-                if v is not Verdict.TAKE:
-                    return v
-            take = min(job.ctx_target - req.num_computed_tokens, budget[0])
-            if flops_left[0] is not None:
-                # Long contexts cost more per token: fit the chunk to the time budget.
-                per_token = cost.prefill_flops(take, req.num_computed_tokens) / max(take, 1)
-                fit = int(flops_left[0] // per_token)
-                if fit < take and batch:
-                    return Verdict.STOP
-                take = max(min(take, fit), min(take, 256))
-                flops_left[0] -= cost.prefill_flops(take, req.num_computed_tokens)
-            budget[0] -= take
-            batch.append((job, take))
-            return Verdict.TAKE
-
-        pw.queue.take(self.now, accept)
-        if not batch:
-            pw.busy = False
-            return
-        flops = sum(self.cost.prefill_flops(take, j.req.num_computed_tokens) for j, take in batch)
-        load_s = sum(self.cost.links.swap_s(j.num_loaded_blocks) for j, _ in batch)
-        for j, _ in batch:
-            j.num_loaded_blocks = 0
-        pw.busy = True
-        pw.batch = batch
-        self._at(self.now + self.cost.prefill_step_s(flops) + load_s, PREFILL_DONE, pw)
-
-    def _on_prefill_done(self, pw: PrefillWorker) -> None:
-        batch, pw.batch = pw.batch, []
-        share = 1.0 / max(len(batch), 1)
-        for job, take in batch:
-            req = job.req
-            req.num_computed_tokens += take
-            left = job.ctx_target - req.num_computed_tokens
-            est = self.cost.prefill_s(left, req.num_computed_tokens) if left > 0 else 0.0
-            pw.backlog[req.tier] = max(0.0, pw.backlog[req.tier] + est - job.queued_est)
-            job.queued_est = est
-            job.num_tokens_served += take
-            self.policy.record_served(req.tier, take, share * self.cost.prefill_s(take, 0),
-                                      self.now)
-            if left > 0:
-                pw.queue.push(req, self.now)
-                continue
-            if job.num_pinned:
-                pw.index.release(req.block_hashes)  # type: ignore[union-attr]
-                job.num_pinned = 0
-            if req.first_token_time is None:
-                req.first_token_time = self.now
-                req.num_output_tokens = 1
-                spec = self.tiers[req.tier]
-                if spec.ttft_s is not None:
-                    self.policy.observe_latency(req.tier, self.now - req.arrival_time, spec.ttft_s)
-            if req.num_output_tokens >= req.max_new_tokens:
-                self._record(job, S.FINISHED_LENGTH, Decision.FINISH_LENGTH, "prefill_done")
-                self._release_decode(job)
-                self._finish(job)
-                continue
-            self._record(job, S.TRANSFERRING, Decision.START_TRANSFER, "prefill_done")
-            dt = self.cost.links.move_s(job.num_blocks, job.move_class)
-            self._at(self.now + dt, TRANSFER_DONE, job)
-        self._start_prefill(pw)
-
-    def _wake_prefill(self) -> None:
-        for pw in self.prefill:
-            if not pw.busy and len(pw.queue):
-                self._start_prefill(pw)
-
-    # -- decode -----------------------------------------------------------------
-    def _on_transfer_done(self, job: Job) -> None:
-        self._record(job, S.DECODING, Decision.START_DECODE, "transfer_done")
-        dw = job.decode
-        assert dw is not None
-        dw.pending.append(job)
-        self._kick(dw)
-
-    def _kick(self, dw: DecodeWorker) -> None:
-        """New work for ``dw``: start a step, or cut the running one at its next step."""
-        if not dw.busy:
-            self._start_decode(dw)
-            return
-        done = math.ceil((self.now - dw.step_start) / dw.step_dt - 1e-9) if dw.step_dt > 0 else 1
-        done = max(done, 1)
-        if done < dw.step_k:
-            dw.step_k = done
-            dw.version += 1
-            self._at(dw.step_start + done * dw.step_dt, DECODE_DONE, (dw, dw.version))
-
-    def _victim_views(self, dw: DecodeWorker) -> list[VictimView]:
-        peers = [d for d in self.decode if d is not dw and d.info.domain == dw.info.domain]
-        out = []
-        for job in dw.running.values():
-            if job.req.state is not S.DECODING:
-                continue
-            peer = next((p.info for p in peers if p.account.num_free >= job.num_blocks * 2), None)
-            out.append(VictimView(job.req, dw.info, job.num_blocks, peer=peer))
-        return out
-
-    def _doom(self, dw: DecodeWorker, plan: PreemptionPlan, blocking: str | None,
-              kick: bool = True) -> None:
-        """Mark victims now; their blocks free at the end of the running step."""
-        for v in plan.victims:
-            job = dw.running.get(v.req_id)
-            if job is None or job.req.state is not S.DECODING:
-                continue
-            decision = {PreemptMode.SWAP: Decision.PREEMPT_SWAP,
-                        PreemptMode.RECOMPUTE: Decision.PREEMPT_RECOMPUTE,
-                        PreemptMode.MIGRATE: Decision.PREEMPT_MIGRATE}[v.mode]
-            self._record(job, S.PREEMPTING, decision, "kv_pressure",
-                         mem=dw.account.mem_pressure, blocking=blocking)
-            self.num_preemptions += 1
-            dw.doomed.append((v.req_id, v))
-        if dw.doomed and kick:
-            self._kick(dw)
-
-    def _apply_doomed(self, dw: DecodeWorker) -> None:
-        doomed, dw.doomed = dw.doomed, []
-        for req_id, victim in doomed:
-            job = dw.running.pop(req_id, None)
-            if job is None:
-                continue
-            assert isinstance(victim, Victim)
-            self._evict(dw, job, victim)
-        if doomed:
-            self._wake_prefill()
-
-    def _evict(self, dw: DecodeWorker, job: Job, v: Victim) -> None:
-        req = job.req
-        dw.account.release(req.req_id)
-        self._record(job, S.PREEMPTED, Decision.PREEMPT_DONE, "kv_pressure")
-        if v.mode is PreemptMode.MIGRATE:
-            peer = next((d for d in self.decode if d.info.worker_id == v.peer_id), None)
-            if peer is not None and peer.account.allocate(req.req_id, job.num_blocks):
-                job.decode = peer
-                cls = (TopologyClass.SAME_DOMAIN if peer.info.domain == dw.info.domain
-                       else TopologyClass.CROSS_NODE)
-                self._at(self.now + self.cost.links.move_s(job.num_blocks, cls), RESUME,
-                         (job, Decision.RESUME_MIGRATE))
-                return
-            v = Victim(v.req_id, PreemptMode.SWAP, v.num_blocks, v.cost)
-        if v.mode is PreemptMode.SWAP:
-            dw.swapped.append(job)
-            return
-        self._record(job, S.QUEUED, Decision.RESUME_RECOMPUTE, "recompute")
-        job.ctx_target = req.prompt_len + req.num_output_tokens
-        req.num_computed_tokens = 0
-        job.decode = None
-        job.num_blocks = 0
-        self._place_prefill(job)
-
-    def _on_resume(self, arg: tuple[Job, Decision]) -> None:
-        job, decision = arg
-        self._record(job, S.DECODING, decision, "resume")
-        assert job.decode is not None
-        job.decode.pending.append(job)
-        self._kick(job.decode)
-
-    def _release_decode(self, job: Job) -> None:
-        if job.decode is not None:
-            job.decode.account.release(job.req.req_id)
-            job.decode = None
-
-    def _start_decode(self, dw: DecodeWorker) -> None:
-        self._apply_doomed(dw)
-        cap = self.cost.profile.max_batch
-        if dw.pending:
-            room = cap - len(dw.running)
-            joining = self.policy.order([j.req for j in dw.pending], self.now)[:max(room, 0)]
-            ids = {r.req_id for r in joining}
-            for job in [j for j in dw.pending if j.req.req_id in ids]:
-                dw.running[job.req.req_id] = job
-            dw.pending = [j for j in dw.pending if j.req.req_id not in ids]
-        if dw.swapped and len(dw.running) < cap:
-            for r in self.policy.order([j.req for j in dw.swapped], self.now):
-                job = self.jobs[r.req_id]
-                if dw.account.allocate(r.req_id, job.num_blocks):
-                    dw.swapped.remove(job)
-                    self._at(self.now + self.cost.links.swap_s(job.num_blocks), RESUME,
-                             (job, Decision.RESUME_SWAP_IN))
-                else:
-                    break
-        if not dw.running:
-            dw.busy = False
-            return
-        batch = self._grow(dw)
-        if not batch:
-            dw.busy = False
-            return
-        k = min(K_MAX, min(j.req.max_new_tokens - j.req.num_output_tokens for j in batch))
-        ctx = sum(j.req.num_context_tokens for j in batch) + len(batch) * k // 2
-        dw.step_dt = self.cost.decode_step_s(len(batch), ctx)
-        dw.step_k = max(k, 1)
-        dw.step_start = self.now
-        dw.batch = batch
-        dw.busy = True
-        dw.version += 1
-        self._at(self.now + dw.step_k * dw.step_dt, DECODE_DONE, (dw, dw.version))
-
-    def _grow(self, dw: DecodeWorker) -> list[Job]:
-        """Give every running request the blocks for the next K_MAX tokens, or stall it."""
-        jobs = list(dw.running.values())
-
-        def extra(j: Job) -> int:
-            return max(0, -(-(j.req.num_context_tokens + K_MAX) // self.bs) - j.num_blocks)
-
-        growers = [j for j in jobs if extra(j) > 0]
-        short = sum(extra(j) for j in growers) - dw.account.num_free
-        if short > 0:
-            top = min(j.req.tier for j in growers)
-            plan = self.policy.on_kv_pressure(short, self._victim_views(dw), self.now, top)
-            if plan.victims:
-                self._doom(dw, plan, None, kick=False)
-                self._apply_doomed(dw)
-                jobs = list(dw.running.values())
-        if not jobs:
-            return []
-        order = self.policy.order([j.req for j in jobs], self.now)
-        batch = []
-        for r in order:
-            j = dw.running[r.req_id]
-            e = extra(j)
-            if e == 0 or dw.account.allocate(r.req_id, e):
-                j.num_blocks += e
-                batch.append(j)
-        if not batch:
-            # Nothing can grow and no victim was allowed: recompute the last in order
-            # that is outside its anti-thrash window (any, if none is).
-            window = self.tiers.anti_thrash_s
-            outside = [r for r in order if r.last_preempt_time is None
-                       or self.now - r.last_preempt_time >= window]
-            j = dw.running.pop((outside or order)[-1].req_id)
-            self._record(j, S.PREEMPTING, Decision.PREEMPT_RECOMPUTE, "kv_exhausted")
-            self.num_preemptions += 1
-            self._evict(dw, j, Victim(j.req.req_id, PreemptMode.RECOMPUTE, j.num_blocks, 0.0))
-            return self._grow(dw) if dw.running else []
-        return batch
-
-    def _on_decode_done(self, arg: tuple[DecodeWorker, int]) -> None:
-        dw, version = arg
-        if version != dw.version:
-            return
-        k = dw.step_k
-        served = [0] * self.tiers.num_tiers
-        for job in dw.batch:
-            req = job.req
-            if req.state is not S.DECODING and req.state is not S.PREEMPTING:
-                continue
-            if req.req_id not in dw.running:
-                continue
-            req.num_output_tokens += k
-            job.num_tokens_served += k
-            served[req.tier] += k
-            if req.num_output_tokens >= req.max_new_tokens:
-                if req.state is S.PREEMPTING:  # finished before its preemption took effect
-                    self._record(job, S.DECODING, Decision.START_DECODE, "preempt_cancelled")
-                del dw.running[req.req_id]
-                self._record(job, S.FINISHED_LENGTH, Decision.FINISH_LENGTH, "decode_done")
-                dw.account.release(req.req_id)
-                job.decode = None
-                self._finish(job)
-        step_s = k * dw.step_dt
-        total = sum(served)
-        for t, n in enumerate(served):
-            if n:
-                self.policy.record_served(t, n, step_s * n / total, self.now)
-        dw.busy = False
-        self._start_decode(dw)
-        self._wake_prefill()
-
-    def _finish(self, job: Job) -> None:
-        self._unfinished -= 1
-        self.done.append(job)
-
-    # -- control ---------------------------------------------------------------
-    def _waiting(self) -> Iterator[Request]:
-        for pw in self.prefill:
-            yield from pw.queue.requests()
+    def _on_transfer_done(self, arg: tuple[PrefillWorker, DecodeWorker, str]) -> None:
+        pw, dw, req_id = arg
+        pw.release_kv(req_id)
+        dw.kv_arrived(req_id, self.now)
+        self._cut(dw)
 
     def _on_tick(self, _: object) -> None:
-        self.policy.tick(self.now, self._waiting())
-        self.violations.extend(check_kv_budget(d.account for d in self.decode))
+        self.violations.extend(check_kv_budget(w.account for w in self.workers))
         self.violations.extend(check_shares(self.policy.shares))
-        # Orderings depend on time (slack shrinks, boosts start): an idle worker
-        # that found nothing worth starting must look again, or it waits forever.
-        self._wake_prefill()
-        for dw in self.decode:
-            if not dw.busy and dw.pending:
-                self._start_decode(dw)
+        if self.cs.live and self.now - self._last_progress > STALL_S:
+            raise SimulationStalled(
+                f"{len(self.cs.live)} live requests, nothing moved since "
+                f"t={self._last_progress:.1f}s (now {self.now:.1f}s)")
         if self._unfinished > 0:
             self._at(self.now + self.tiers.control_interval_s, TICK, None)

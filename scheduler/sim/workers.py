@@ -1,71 +1,525 @@
-"""Simulated workers: the state a prefill or decode worker holds in the simulator.
+"""Simulated workers: the mechanism the simulated cluster's kernel objects drive.
 
-The simulator (:mod:`scheduler.sim.simulator`) owns the clock and applies the
-policy's plans to these; the kernel pieces they hold (wait queue, prefix index,
-KV block account) are the same classes a live worker uses.
+A simulated worker holds what a live worker holds: a
+:class:`~scheduler.step_planner.WorkerScheduler` (its step planner, with its own policy
+instance and its own :class:`~scheduler.step_costs.StepCosts`), a KV block account and,
+on a prefill worker, a prefix cache. It runs the step plans its planner returns, takes
+their times from the cost model, commits them (where its StepCosts learn from those
+times, as a live worker's learn from wall time) and says what happened in a
+:class:`~scheduler.messages.WorkerReport`, the message a live worker sends. Its
+``Request`` objects are its own copies, built from what the wire carries; where the
+model emits EOS (the trace's output length) is the mechanism's, never the kernel's.
+
+Life of a request on a simulated prefill worker (STYLE.md item 7):
+
+1. ``start_prefill``: its cached prefix is pinned in the prefix cache (what that evicts
+   goes out as BlockRemoved), the rest joins the planner's queue.
+2. steps, as planned: the first chunk of a request allocates all its blocks (the
+   engine's rule); a prefix hit from the host tier is copied in before that chunk.
+3. prefill done: PREFILL_DONE, the prefix unpinned, its new blocks out as BlockStored;
+   the KV blocks stay until the transfer to the decode worker ends (``release_kv``).
+
+On a simulated decode worker:
+
+1. ``reserve`` (the dispatch): the blocks are allocated, or the dispatch is refused.
+2. the prefill: remote (``prefilled``, then ``kv_arrived`` when the transfer ends:
+   DECODE_START) or here (``start_local_prefill``: PREFILL_DONE when it ends).
+3. steps, as planned: a decode whose next token starts a block gets one; the planner's
+   victims are evicted and swapped requests brought back before the step.
+4. EOS or ``max_tokens``: FINISHED_STOP / FINISHED_LENGTH, the blocks freed.
+5. preemption (the planner's victim, or the cluster's PreemptOrder at the next step):
+   swap out (back by swap-in, RESUMED_SWAP) or recompute here (prompt and output
+   prefilled again on this worker, RESUMED_RECOMPUTE). Blocks a PreemptOrder freed are
+   held for the request it names (``WorkerScheduler.hold_for``, as a live decode worker
+   does): the worker's own planner does not hand them to the victim's swap-in or
+   recompute before that request's dispatch arrives.
+
+A decode-only step the planner would repeat unchanged (every decode runs, nothing else
+waits, no block runs short, nobody finishes) runs as up to ``K_MAX`` steps at once,
+committed one by one; anything that reaches the worker cuts them at the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass, field
+import bisect
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 
+from scheduler.cluster_scheduler import PreemptOrder
 from scheduler.kv import KVBlockAccount
+from scheduler.messages import BlockEvent, ReqEvent, RunningReq, WorkerEvent, WorkerReport
+from scheduler.preemption import PreemptMode
 from scheduler.prefix_index import PrefixIndex
-from scheduler.queues import WaitQueue
-from scheduler.request import Request
-from scheduler.sim.traces import TraceRequest
+from scheduler.request import Decision, IllegalTransition, Request, RequestState, transition
+from scheduler.sim.costmodel import CostModel
+from scheduler.step_planner import LocalRequest, StepPlan, WorkerScheduler
 from scheduler.topology import TopologyClass, WorkerInfo
 
-
-@dataclass(slots=True)
-class Job:
-    """The simulator's bookkeeping for one request."""
-
-    req: Request
-    trace: TraceRequest
-    # Tokens the next prefill must hold KV for (prompt, or prompt + output on recompute).
-    ctx_target: int = 0
-    prefill: PrefillWorker | None = None
-    decode: DecodeWorker | None = None
-    move_class: TopologyClass = TopologyClass.SAME_DOMAIN
-    num_pinned: int = 0  # prefix entries pinned on the prefill worker's index
-    queued_est: float = 0.0  # this job's share of its prefill worker's backlog
-    num_blocks: int = 0  # decode blocks held (or to restore, when swapped out)
-    started: bool = False  # prefill began on the current prefill worker
-    num_tokens_served: int = 0
-    num_loaded_blocks: int = 0  # prefix blocks to copy in from the host tier this step
-    kv_wanted: int = 0  # decode blocks it waits for (queued, no reservation yet)
+S = RequestState
+D = Decision
+E = WorkerEvent
+K_MAX = 16
 
 
 @dataclass(slots=True)
-class PrefillWorker:
-    info: WorkerInfo
-    queue: WaitQueue
-    index: PrefixIndex | None
-    backlog: list[float]
-    busy: bool = False
-    batch: list[tuple[Job, int]] = field(default_factory=list)
-    accesses: list[tuple[int, ...]] = field(default_factory=list)
-    protected: Collection[int] | None = None  # per-step memo of protected hashes
+class Held:
+    """What the mechanism keeps for one request on one worker, beside the planner's view."""
+
+    req: Request  # this worker's copy (PREFILLING when it arrives, as a live worker's)
+    # Where generation ends: the model's EOS, or the max_tokens budget (``is_length``).
+    num_output_target: int
+    is_length: bool
+    # Prefill worker: where the KV goes, and the prefix ids it pinned in the cache.
+    decode_worker_id: str | None = None
+    move_class: TopologyClass = TopologyClass.SAME_DEVICE
+    cache_ids: tuple[int, ...] = ()
+    num_hit_ids: int = 0
+    num_load_blocks: int = 0  # host-tier prefix blocks to copy in before its first chunk
+    # Decode worker: a recompute prefill (not the request's first).
+    is_recompute: bool = False
+
+
+@dataclass(slots=True)
+class _Step:
+    """The step (or run of identical decode-only steps) a worker is executing."""
+
+    plan: StepPlan
+    ends: list[float]  # when each of its steps ends
+    seconds: list[float]  # each step's compute time (what the StepCosts observe)
+    blocks: dict[str, int]  # requests' blocks once the step ran
+    refused: list[str]
+
+
+def move(req: Request, to: RequestState, decision: Decision, why: str, now: float) -> None:
+    """Move this worker's copy (its own record of what happened here)."""
+    try:
+        transition(req, to, decision=decision, triggered_by=why, now=now)
+    except IllegalTransition:
+        pass  # the copy was already past it (e.g. a recompute that became a decode)
+
+
+class SimWorker:
+    """Plans, runs and commits steps, and reports; the roles below add what they do."""
+
+    def __init__(self, info: WorkerInfo, ws: WorkerScheduler, cost: CostModel, *,
+                 decodes_here: bool) -> None:
+        self.info = info
+        self.ws = ws
+        self.cost = cost
+        self.bs = cost.block_size
+        self.account = KVBlockAccount(info.worker_id, info.num_kv_blocks)
+        self.decodes_here = decodes_here
+        self.held: dict[str, Held] = {}
+        self.events: list[ReqEvent] = []
+        self.block_events: list[BlockEvent] = []
+        self.dirty: dict[str, None] = {}  # requests whose running figures changed
+        self.step: _Step | None = None
+        self.last_plan_time = 0.0
+        self.last_plan = StepPlan()  # the plan of the step finished last
+        self.version = 0  # a step's end event carries it; a cut step gets a new one
+        self.num_mechanism_refusals = 0  # planned allocations that failed (a planner bug)
+        self.refused_orders: list[str] = []  # PreemptOrders whose victim was not decoding
+        self._stepped = False
 
     @property
-    def backlog_s(self) -> float:
-        return sum(self.backlog)
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def is_busy(self) -> bool:
+        return self.step is not None
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for a step to do (an idle worker without it plans nothing)."""
+        return self.ws.has_work()
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.events or self.block_events or self.dirty or self._stepped)
+
+    def _event(self, req_id: str, kind: WorkerEvent, now: float,
+               for_req_id: str | None = None) -> None:
+        self.events.append(ReqEvent(req_id, kind, now, for_req_id))
+        self.dirty[req_id] = None
+
+    def report(self) -> WorkerReport:
+        # Everything the worker holds, as a live worker reports it (the cluster scheduler
+        # drops from its view what a report leaves out).
+        running = []
+        local = self.ws.local
+        for rid in dict.fromkeys([*self.held, *local]):
+            lr = local.get(rid)
+            if lr is None:
+                h = self.held.get(rid)
+                running.append(RunningReq(rid, self.account.blocks_of(rid),
+                                          h.req.num_output_tokens if h is not None else 0, 0))
+                continue
+            running.append(RunningReq(rid, self.account.blocks_of(rid),
+                                      lr.req.num_output_tokens, lr.num_prefill_left))
+        rep = WorkerReport(self.worker_id, self.account.num_free, self.account.num_total_blocks,
+                           tuple(self.events), tuple(self.block_events), (), tuple(running),
+                           self.ws.costs.to_tuple(), self.ws.num_steps)
+        self.events = []
+        self.block_events = []
+        self.dirty = {}
+        self._stepped = False
+        return rep
+
+    # -- steps -----------------------------------------------------------------------
+
+    def begin_step(self, now: float) -> float | None:
+        """Plan the next step and start it; returns when it ends (None: nothing to run)."""
+        self._before_plan(now)
+        self.last_plan_time = now
+        plan = self.ws.plan(now, self._plannable_free(now))
+        if plan.is_empty:
+            return None
+        delay = 0.0
+        for v in plan.preempt:
+            self.preempt(v.req_id, v.mode, None, now)
+        blocks: dict[str, int] = {}
+        local = self.ws.local
+        decodes = [local[rid] for rid in plan.decodes]
+        kept = self._grow(decodes, 1, blocks)
+        if len(kept) < len(decodes):
+            plan = replace(plan, decodes=tuple(d.req_id for d in kept))
+            decodes = kept
+        for rid in plan.swap_in:
+            delay += self._swap_in(rid, now)
+        refused: list[str] = []
+        flops = 0.0
+        for rid, n in plan.chunks:
+            lr = local[rid]
+            if lr.num_blocks == 0:
+                need = lr.blocks_for(lr.num_computed + lr.num_prefill_left + 1, self.bs)
+                if not self.account.allocate(rid, need):
+                    self.num_mechanism_refusals += 1
+                    refused.append(rid)
+                    continue
+                blocks[rid] = need
+            h = self.held[rid]
+            if h.num_load_blocks:
+                delay += self.cost.links.swap_s(h.num_load_blocks)
+                h.num_load_blocks = 0
+            flops += self.cost.prefill_flops(n, lr.num_computed)
+        k = self._repeat(plan, decodes)
+        if k > 1:
+            self._grow(decodes, k, blocks)
+        ctx = sum(d.num_computed + 1 for d in decodes)
+        n_dec = len(decodes)
+        runs = flops > 0 or n_dec > 0
+        t = now + delay
+        ends, seconds = [], []
+        for j in range(k):
+            s = self.cost.step_s(flops, n_dec, ctx + j * n_dec) if runs else 0.0
+            t += s
+            ends.append(t)
+            seconds.append(s)
+        self.version += 1
+        self.step = _Step(plan, ends, seconds, blocks, refused)
+        return ends[-1]
+
+    def _before_plan(self, now: float) -> None:
+        """Work that reached the worker while a step ran (decode workers: preempt orders)."""
+
+    def _plannable_free(self, now: float) -> int:
+        """Free blocks the worker's own planner may use."""
+        return self.account.num_free
+
+    def _grow(self, decodes: list[LocalRequest], k: int, blocks: dict[str, int]
+              ) -> list[LocalRequest]:
+        """Blocks for ``k`` more tokens of each decode; returns the decodes that got them."""
+        kept = []
+        for d in decodes:
+            have = blocks.get(d.req_id, d.num_blocks)
+            extra = -(-(d.num_computed + k) // self.bs) - have
+            if extra > 0:
+                if not self.account.allocate(d.req_id, extra):
+                    self.num_mechanism_refusals += 1
+                    continue
+                blocks[d.req_id] = have + extra
+            kept.append(d)
+        return kept
+
+    def _repeat(self, plan: StepPlan, decodes: list[LocalRequest]) -> int:
+        """How many identical steps this decode-only plan stands for (see the module)."""
+        ws = self.ws
+        if (plan.chunks or plan.preempt or plan.swap_in or not decodes or len(ws.queue)
+                or ws.swapped or len(decodes) != len(ws.decoding) or self._has_orders()):
+            return 1
+        held = self.held
+        k = min(K_MAX, min(held[d.req_id].num_output_target - d.req.num_output_tokens
+                           for d in decodes))
+        free = self._plannable_free(self.last_plan_time) - self.ws.num_held(self.last_plan_time)
+        bs = self.bs
+        while k > 1 and sum(max(0, -(-(d.num_computed + k) // bs) - d.num_blocks)
+                            for d in decodes) > free:
+            k -= 1
+        return max(k, 1)
+
+    def _has_orders(self) -> bool:
+        return False
+
+    def cut(self, now: float) -> float | None:
+        """Something reached the worker: a run of steps ends after the one running at
+        ``now``. Returns the new end (None: unchanged)."""
+        st = self.step
+        if st is None or len(st.ends) == 1:
+            return None
+        j = bisect.bisect_left(st.ends, now)
+        if j >= len(st.ends) - 1:
+            return None
+        del st.ends[j + 1:]
+        del st.seconds[j + 1:]
+        self.version += 1
+        return st.ends[-1]
+
+    def finish_step(self, now: float) -> list[str]:
+        """Commit the step that ended; returns the requests whose prefill ended in it."""
+        st = self.step
+        assert st is not None
+        self.step = None
+        done: list[str] = []
+        plan = self.last_plan = st.plan
+        for j, (end, sec) in enumerate(zip(st.ends, st.seconds, strict=True)):
+            done += self.ws.commit(plan, end, seconds=sec if sec > 0 else None,
+                                   refused=st.refused if j == 0 else (),
+                                   blocks=st.blocks if j == 0 else None,
+                                   decodes_here=self.decodes_here)
+        for rid, _ in plan.chunks:
+            self.dirty[rid] = None
+        for rid in plan.decodes:
+            self.dirty[rid] = None
+        self._stepped = True
+        return done
+
+    # -- requests --------------------------------------------------------------------
+
+    def preempt(self, req_id: str, mode: PreemptMode, for_req_id: str | None,
+                now: float) -> None:
+        raise TypeError(f"{type(self).__name__} runs no decodes to preempt")
+
+    def _swap_in(self, req_id: str, now: float) -> float:
+        raise TypeError(f"{type(self).__name__} holds no swapped requests")
+
+    def drop(self, req_id: str, now: float) -> None:
+        """The cluster ended the request (AbortOrder): forget it, free its blocks."""
+        self.ws.remove(req_id)
+        self.account.release(req_id)
+        self.held.pop(req_id, None)
 
 
-@dataclass(slots=True)
-class DecodeWorker:
-    info: WorkerInfo
-    account: KVBlockAccount
-    running: dict[str, Job] = field(default_factory=dict)
-    pending: list[Job] = field(default_factory=list)
-    swapped: list[Job] = field(default_factory=list)
-    # Victims chosen while a step was running; applied at the step's end.
-    doomed: list[tuple[str, object]] = field(default_factory=list)
-    busy: bool = False
-    version: int = 0
-    step_start: float = 0.0
-    step_dt: float = 0.0
-    step_k: int = 0
-    batch: list[Job] = field(default_factory=list)
+class PrefillWorker(SimWorker):
+    """A prefill-pool worker with a prefix cache over the trace's prefix ids."""
+
+    def __init__(self, info: WorkerInfo, ws: WorkerScheduler, cost: CostModel,
+                 cache_capacity: int | None, hash_block_tokens: int, host_tier: bool) -> None:
+        super().__init__(info, ws, cost, decodes_here=False)
+        self.hash_block_tokens = hash_block_tokens
+        self.per_id = max(1, hash_block_tokens // self.bs)  # KV blocks per prefix id
+        self.index: PrefixIndex | None = (
+            None if cache_capacity is None else _ReportingIndex(cache_capacity, self._evicted))
+        self.host_tier = host_tier
+        self.accesses: list[tuple[int, ...]] = []  # prefix ids looked up, for Belady
+        self._protected: dict[int, int] = {}  # prefix id -> waiting requests it prefixes
+
+    def _evicted(self, ids: list[int]) -> None:
+        per = self.per_id
+        self.block_events.append(BlockEvent(False, tuple(
+            h * per + i for h in ids for i in range(per))))
+
+    def _protect(self, req: Request, sign: int) -> None:
+        per = self.per_id
+        for h in dict.fromkeys(b // per for b in self.ws.policy.protected_hashes([req])):
+            n = self._protected.get(h, 0) + sign
+            if n > 0:
+                self._protected[h] = n
+            else:
+                self._protected.pop(h, None)
+
+    def start_prefill(self, held: Held, cache_ids: tuple[int, ...], now: float) -> None:
+        req = held.req
+        hits = 0
+        if self.index is not None and cache_ids:
+            got = self.index.acquire(cache_ids, self._protected)
+            if got is not None:
+                hits = got
+                held.cache_ids = cache_ids
+                held.num_hit_ids = hits
+                self.accesses.append(cache_ids)
+        cached = min(hits * self.hash_block_tokens, max(req.prompt_len - 1, 0))
+        if cached and self.host_tier:
+            held.num_load_blocks = -(-cached // self.bs)
+        self.held[req.req_id] = held
+        self._protect(req, +1)
+        self.ws.add_prefill(req, req.prompt_len - cached, now, num_computed=cached)
+        self.dirty[req.req_id] = None
+
+    def finish_step(self, now: float) -> list[str]:
+        done = super().finish_step(now)
+        for rid in done:
+            h = self.held[rid]
+            self._event(rid, E.PREFILL_DONE, now)
+            self.ws.remove(rid)
+            self._unpin(h, stored=True)
+            move(h.req, S.TRANSFERRING, D.START_TRANSFER, "prefill_done", now)
+        return done
+
+    def _unpin(self, h: Held, *, stored: bool) -> None:
+        self._protect(h.req, -1)
+        if not h.cache_ids:
+            return
+        assert self.index is not None
+        self.index.release(h.cache_ids)
+        if stored:
+            first = h.num_hit_ids * self.per_id
+            new = h.req.block_hashes[first:]
+            if new:
+                parent = h.req.block_hashes[first - 1] if first else None
+                self.block_events.append(BlockEvent(True, new, parent))
+        h.cache_ids = ()
+
+    def release_kv(self, req_id: str) -> None:
+        """The transfer ended: the request's KV blocks here are free."""
+        self.account.release(req_id)
+        self.held.pop(req_id, None)
+
+    def drop(self, req_id: str, now: float) -> None:
+        h = self.held.get(req_id)
+        if h is not None and req_id in self.ws.local:
+            self._unpin(h, stored=False)
+        super().drop(req_id, now)
+
+
+class _ReportingIndex(PrefixIndex):
+    """The prefix cache; what it evicts is reported (BlockRemoved) as a block pool does."""
+
+    def __init__(self, capacity: int, on_evict: Callable[[list[int]], None]) -> None:
+        super().__init__(capacity)
+        self._on_evict = on_evict
+
+    def evict(self, num_blocks: int, protected: Collection[int] = ()) -> list[int]:
+        out = super().evict(num_blocks, protected)
+        if out:
+            self._on_evict(out)
+        return out
+
+
+class DecodeWorker(SimWorker):
+    """A decode-pool worker (in ``aggregated``/``auto`` mode it also prefills)."""
+
+    def __init__(self, info: WorkerInfo, ws: WorkerScheduler, cost: CostModel) -> None:
+        super().__init__(info, ws, cost, decodes_here=True)
+        self.orders: list[PreemptOrder] = []
+
+    def reserve(self, held: Held, num_blocks: int) -> bool:
+        rid = held.req.req_id
+        if not self.account.allocate(rid, num_blocks):
+            return False
+        self.ws.release_hold(rid)
+        self.held[rid] = held
+        return True
+
+    def start_local_prefill(self, req_id: str, now: float) -> None:
+        h = self.held[req_id]
+        lr = self.ws.add_prefill(h.req, h.req.prompt_len, now)
+        lr.num_blocks = self.account.blocks_of(req_id)  # reserved at the dispatch
+        self.dirty[req_id] = None
+
+    def prefilled(self, req_id: str, now: float) -> bool:
+        """The first token came from the prefill worker; True when that ended the request
+        here (it was also the last, or the request is gone): no KV to send."""
+        h = self.held.get(req_id)
+        if h is None:
+            return True
+        move(h.req, S.TRANSFERRING, D.START_TRANSFER, "prefilled", now)
+        h.req.first_token_time = now
+        h.req.num_output_tokens = 1
+        if h.num_output_target <= 1:
+            self._finish(req_id, now)
+            return True
+        return False
+
+    def kv_arrived(self, req_id: str, now: float) -> None:
+        h = self.held.get(req_id)
+        if h is None:
+            return
+        move(h.req, S.DECODING, D.START_DECODE, "kv_arrived", now)
+        self.ws.add_decode(h.req, h.req.prompt_len, self.account.blocks_of(req_id))
+        self._event(req_id, E.DECODE_START, now)
+
+    def order(self, p: PreemptOrder) -> None:
+        self.orders.append(p)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.orders) or self.ws.has_work()
+
+    def _has_orders(self) -> bool:
+        return bool(self.orders)
+
+    def _before_plan(self, now: float) -> None:
+        orders, self.orders = self.orders, []
+        for p in orders:
+            before = self.account.num_free
+            self.preempt(p.req_id, p.mode, p.for_req_id, now)
+            freed = self.account.num_free - before
+            if freed > 0 and p.for_req_id is not None:
+                self.ws.hold_for(p.for_req_id, freed, now)
+
+    def finish_step(self, now: float) -> list[str]:
+        done = super().finish_step(now)
+        held = self.held
+        for rid in self.last_plan.decodes:
+            h = held.get(rid)
+            if h is not None and h.req.num_output_tokens >= h.num_output_target:
+                self._finish(rid, now)
+        for rid in done:
+            h = held[rid]
+            move(h.req, S.DECODING, D.START_DECODE, "prefill_done", now)
+            self._event(rid, E.RESUMED_RECOMPUTE if h.is_recompute else E.PREFILL_DONE, now)
+            h.is_recompute = False
+            if h.req.num_output_tokens >= h.num_output_target:
+                self._finish(rid, now)
+        return done
+
+    def _finish(self, req_id: str, now: float) -> None:
+        h = self.held.pop(req_id)
+        self.account.release(req_id)
+        self.ws.remove(req_id)
+        self._event(req_id, E.FINISHED_LENGTH if h.is_length else E.FINISHED_STOP, now)
+
+    def preempt(self, req_id: str, mode: PreemptMode, for_req_id: str | None,
+                now: float) -> None:
+        lr = self.ws.decoding.get(req_id)
+        if lr is None:
+            if for_req_id is not None:
+                self.refused_orders.append(req_id)  # the cluster hears: its need stands
+            return  # not decoding here any more (finished, preempted, never arrived)
+        req = lr.req
+        swap = mode is PreemptMode.SWAP
+        why = f"preempt_for:{for_req_id}" if for_req_id else "kv_pressure"
+        move(req, S.PREEMPTING, D.PREEMPT_SWAP if swap else D.PREEMPT_RECOMPUTE, why, now)
+        move(req, S.PREEMPTED, D.PREEMPT_DONE, why, now)
+        self.account.release(req_id)
+        if swap:
+            self.ws.swap_out(req_id)
+            self._event(req_id, E.PREEMPTED_SWAP, now, for_req_id)
+            return
+        # Recompute here: prompt and output prefilled again, then the next token.
+        self.ws.recompute(req_id, now)
+        self.held[req_id].is_recompute = True
+        self._event(req_id, E.PREEMPTED_RECOMPUTE, now, for_req_id)
+
+    def _swap_in(self, req_id: str, now: float) -> float:
+        lr = self.ws.swapped[req_id]
+        n = lr.num_blocks
+        if not self.account.allocate(req_id, n):
+            self.num_mechanism_refusals += 1
+            return 0.0
+        self.ws.swapped_in(req_id, n)
+        move(lr.req, S.DECODING, D.RESUME_SWAP_IN, "swap_in", now)
+        self._event(req_id, E.RESUMED_SWAP, now)
+        return self.cost.links.swap_s(n)
+

@@ -10,7 +10,7 @@ from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, PoolMode
 from scheduler.messages import ReqEvent, RunningReq, SubmitOutcome, WorkerEvent, WorkerReport
 from scheduler.preemption import PreemptMode
 from scheduler.request import RequestState
-from scheduler.testing import make_costs
+from scheduler.testing import make_costs, make_request
 from scheduler.tiers import TierConfig, TierSpec
 from scheduler.topology import WorkerInfo, WorkerRole
 
@@ -227,3 +227,58 @@ def test_on_pick_reports_the_dispatch_order_and_who_found_no_room() -> None:
     (pick,) = picks
     assert pick.site.value == "dispatch" and pick.now == 0.2 and pick.rest == ()
     assert [(r.req_id, v.value) for r, v in pick.offers] == [("big", "skip"), ("small", "take")]
+
+
+def test_a_preemption_in_flight_is_not_ordered_again_until_the_worker_answers() -> None:
+    """Until the victim's PREEMPTED event arrives it still looks like a decode: the next
+    plans must wait for it, not order it again (vllm-priority ignores the anti-thrash
+    window) or another victim for the same need."""
+    cs = make_cluster(policy="vllm-priority", decode_blocks=16)
+    submit(cs, "low", 3, 200, now=0.0)
+    assert dispatch_all(cs, 0.0) == ["low"]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("low", WorkerEvent.PREFILL_DONE, 0.5),)), 0.5)
+    cs.on_report(WorkerReport("d0", 2, 16, events=(
+        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),), running=(RunningReq("low", 14, 1),)),
+        0.6)
+    submit(cs, "top", 0, 200, now=2.0)
+    assert [(p.req_id, p.for_req_id) for p in cs.plan(2.0).preempts] == [("low", "top")]
+    for t in (2.01, 2.02, 2.03):
+        again = cs.plan(t)
+        assert not again.preempts and not again.dispatches
+    cs.on_report(WorkerReport("d0", 16, 16, events=(
+        ReqEvent("low", WorkerEvent.PREEMPTED_RECOMPUTE, 2.05, for_req_id="top"),)), 2.05)
+    assert dispatch_all(cs, 2.05) == ["top"]
+
+
+def _finish_one(cs: ClusterScheduler, rid: str, tier: int, now: float, num_out: int) -> None:
+    submit(cs, rid, tier, 50, now=now, max_new=2048)
+    assert dispatch_all(cs, now) == [rid]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent(rid, WorkerEvent.PREFILL_DONE, now + 0.1),)), now + 0.1)
+    cs.on_report(WorkerReport("d0", 250, 256, events=(
+        ReqEvent(rid, WorkerEvent.DECODE_START, now + 0.2),), running=(
+        RunningReq(rid, 4, num_out),)), now + 0.3)
+    cs.on_report(WorkerReport("d0", 256, 256, events=(
+        ReqEvent(rid, WorkerEvent.FINISHED_STOP, now + 0.4),)), now + 0.4)
+
+
+def test_expected_output_is_learned_from_finished_requests_not_the_budget() -> None:
+    """max_new_tokens is the client's budget; admission's KV release rate uses what
+    requests actually generated."""
+    cs = make_cluster()
+    probe = make_request("probe", tier=1, prompt=50, out=2048)
+    assert cs.outputs.expected(probe) == 2048  # nothing learned yet
+    for i in range(20):
+        _finish_one(cs, f"r{i}", 2, 1.0 + i, num_out=30)
+    assert cs.outputs.expected(probe) == 30  # tier 1 has none yet: all tiers' mean
+    _finish_one(cs, "t1", 1, 30.0, num_out=300)
+    assert cs.outputs.expected(probe) == 300
+    assert cs.outputs.expected(make_request("short", tier=1, out=16)) == 16  # within budget
+
+
+def test_first_tokens_feed_the_fair_share_controller() -> None:
+    cs = make_cluster()
+    _finish_one(cs, "a", 0, 0.0, num_out=20)
+    assert cs.policy.tails.p99_ratio(0) == 0.1 / 1.0  # TTFT 0.1 s against 1 s
+    assert cs.policy.ledger.total_served[0] == 50 + 19  # the prompt, then 19 output tokens

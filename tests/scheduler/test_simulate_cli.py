@@ -49,9 +49,18 @@ def test_malformed_trace_names_file_and_line(tmp_path: Path,
     assert f"{p}:2:" in capsys.readouterr().err
 
 
+def test_mode_and_max_tokens_reach_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", SPEC, "--format", "poisson", "--policies", "tierserve",
+                 "--cluster", SMALL, "--mode", "auto", "--max-tokens", "512",
+                 "--json", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["mode"] == "auto" and run["max_tokens"] == 512
+
+
 @pytest.mark.parametrize("flag, value, field", [
     ("--load", "0", "--load"), ("--cluster", "decode=0", "cluster.decode"),
-    ("--tier-mix", "50,50", "--tier-mix"),
+    ("--tier-mix", "50,50", "--tier-mix"), ("--max-tokens", "0", "--max-tokens"),
 ])
 def test_bad_flags_name_the_field(flag: str, value: str, field: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,9 @@ def test_every_policy_completes_every_request_and_keeps_kv_within_budget() -> No
         assert sim.jobs and all(j.req.state.is_finished for j in sim.jobs.values())
         assert run["violations"]["kv_budget"] == 0, name
         assert run["violations"]["legal_transitions"] == 0, name
-        assert all(d.account.num_owned == 0 for d in sim.decode), name
+        assert all(w.account.num_owned == 0 for w in sim.workers), name
+        # The mechanism could always carry out what the planners planned.
+        assert all(w.num_mechanism_refusals == 0 for w in sim.workers), name
         total = sum(t["completed"] + t["rejected"] for t in run["tiers"].values())
         assert total == len(TRACE)
 
