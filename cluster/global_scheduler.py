@@ -18,8 +18,9 @@ Life of a request here:
 3. ``report``: a worker's ``WorkerReport`` goes to ``core.on_report`` (events move the
    request, free blocks, running requests and learned step costs refresh the view);
    transfers feed the metrics.
-4. ``finish_batch``: the routers' client-side timings feed the latency histograms, the
-   SLO counters and the fair-share controller, and close requests no worker event closed.
+4. ``finish_batch``: the routers' client-side timings feed the latency histograms and
+   the SLO counters, and close requests no worker event closed (fair share hears the
+   workers' events through the kernel, as in every driver).
 
 Every RPC is awaited with a timeout; a worker whose call fails is removed from the
 kernel's view (its requests end with a retryable error). Metrics (router/metrics.py),
@@ -205,17 +206,13 @@ class GlobalScheduler:
                  n_out: int, outcome: str) -> None:
         if outcome not in ("stop", "length") or first is None:
             return
+        # Metrics only: the kernel feeds fair share from the workers' events itself (the
+        # same in every driver).
         ttft = first - arrival
         tpot = (end - first) / (n_out - 1) if n_out > 1 else None
-        spec = self.tiers[req.tier]
         self.metrics.on_request_finished(req.tier, ttft, tpot, end - arrival,
                                          num_prompt_tokens=req.prompt_len,
                                          num_output_tokens=n_out, finished_reason=outcome)
-        if spec.ttft_s is not None:
-            self.policy.observe_latency(req.tier, ttft, spec.ttft_s)
-        elif spec.e2e_s is not None:
-            self.policy.observe_latency(req.tier, end - arrival, spec.e2e_s)
-        self.policy.record_served(req.tier, req.prompt_len + n_out, end - arrival, end)
 
     async def notices(self, router_id: str):  # noqa: ANN201 - an async generator of bytes
         """A router's notice stream: requests the cluster ended, and the shed state."""

@@ -650,6 +650,9 @@ class ClusterScheduler:
                 self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
             # Its last report's count: the tokens of the final step may be missing.
             self.outputs.observe(req.tier, max(req.num_output_tokens, 1))
+            spec = self.tiers[req.tier]
+            if spec.ttft_s is None and spec.e2e_s is not None:  # its milestone is the end
+                self.policy.observe_latency(req.tier, ev.time - req.arrival_time, spec.e2e_s)
             self._move(rid, to, d, ev.time, by, mem=mem)
             self._close(rid)
         elif kind in (WorkerEvent.PREEMPTED_SWAP, WorkerEvent.PREEMPTED_RECOMPUTE):
