@@ -162,7 +162,7 @@ class DecodeWorker:
         num_cached = await self._thread.call(self.engine.num_reserved_cached_blocks, rid)
         ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
         self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks))
-        self._unsubscribed_since.setdefault(spec.router_id, time.monotonic())
+        self._watch_router(spec.router_id)
         try:
             refusal = await self._start_prefill(msg.prefill_worker_id,
                                                 StartPrefill(spec, self.worker_id, ticket))
@@ -197,12 +197,19 @@ class DecodeWorker:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason=refusal,
                                   fatal=refusal.startswith("invalid"))
         self._reqs[rid] = _Req(spec, Stage.PREFILLING, kreq)
+        self._watch_router(spec.router_id)
         lr = self.sched.add_prefill(kreq, len(spec.prompt_token_ids) - cached, time.time(),
                                     num_computed=cached)
         lr.num_blocks = nblocks
         self._wake.set()
         return DispatchAnswer(rid, True, self.engine.num_free_blocks,
                               cached // self.limits.block_size)
+
+    def _watch_router(self, router_id: str) -> None:
+        """A request for ``router_id``: if that router has no token stream open here, its
+        requests are aborted once it stays away for ROUTER_GRACE_S."""
+        if router_id not in self._subs:
+            self._unsubscribed_since.setdefault(router_id, time.monotonic())
 
     async def prefilled(self, batch: PrefilledBatch) -> None:
         for item in batch.items:
