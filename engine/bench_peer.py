@@ -79,31 +79,39 @@ class SideProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=env, text=True, bufsize=1,
+                                     stderr=self._log, env=env, bufsize=0,
                                      start_new_session=True)
         self.paused = False
+        # Our own line buffer over the raw pipe: select() on a buffered reader's descriptor
+        # misses lines the reader already pulled in (and then waits forever).
+        self._pending = b""
 
     def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self.resume()
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        mark = MARK.encode()
         while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(mark):
+                    out = json.loads(line[len(mark):])
+                    if not out.get("ok"):
+                        raise RuntimeError(f"{self.name}: {out.get('error')}\n{self.log_tail()}")
+                    return out
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"{self.name}: no reply to {msg['op']} in {timeout_s:.0f} s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue
-            line = self.proc.stdout.readline()
-            if not line:
+            data = os.read(fd, 1 << 20)
+            if not data:
                 raise RuntimeError(f"{self.name} exited (see {self.log_path}):\n{self.log_tail()}")
-            if line.startswith(MARK):
-                out = json.loads(line[len(MARK):])
-                if not out.get("ok"):
-                    raise RuntimeError(f"{self.name}: {out.get('error')}\n{self.log_tail()}")
-                return out
+            self._pending += data
 
     def pause(self) -> None:
         if not self.paused and self.proc.poll() is None:
