@@ -156,12 +156,16 @@ def _core_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
-def side_commands(venv: Path, cores: list[int], kv_gib: int
+def side_commands(venv: Path, cores: list[int], kv_gib: int, thp: bool = False
                   ) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """(command, environment) of each side's runner."""
+    """(command, environment) of each side's runner (``thp``: both sides' torch allocator
+    asks for transparent huge pages, THP_MEM_ALLOC_ENABLE=1)."""
     project_root = str(Path(__file__).resolve().parent.parent)
     base = {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_PRELOAD")}
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_PRELOAD",
+                         "THP_MEM_ALLOC_ENABLE")}
+    if thp:
+        base["THP_MEM_ALLOC_ENABLE"] = "1"
     ours_env = dict(base)
     ours_env["PYTHONPATH"] = project_root
     ours_env["OMP_NUM_THREADS"] = str(len(cores))
@@ -221,6 +225,7 @@ def run_peer(args) -> int:
             "eager": not args.peer_compile}
     report: dict[str, Any] = {
         "peer": {"name": PEER_NAME, "version": None, "eager": not args.peer_compile},
+        "thp": args.thp,
         "settings": {
             "model": str(model_path), "dtype": "bfloat16", "threads": args.threads,
             "cores": cores, "max_new_tokens": args.max_new_tokens, "reps": args.reps,
@@ -235,7 +240,7 @@ def run_peer(args) -> int:
     }
     started = time.monotonic()
     logdir = Path(tempfile.mkdtemp(prefix="tierserve-bench-peer-"))
-    commands = side_commands(venv, cores, kv_gib)
+    commands = side_commands(venv, cores, kv_gib, thp=args.thp)
     sides: dict[str, SideProcess] = {}
     try:
         for name, (cmd, env) in commands.items():
