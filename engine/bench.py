@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer.add_argument("--max-prompt-tokens", type=int, default=1024,
                       help="ShareGPT prompts longer than this are left out of the decode sets")
     peer.add_argument("--decode-batches", default="1,16,64")
+    peer.add_argument("--thp", action="store_true",
+                      help="THP_MEM_ALLOC_ENABLE=1 on both sides (torch's allocator asks for "
+                           "transparent huge pages for allocations of 2 MB and more)")
     peer.add_argument("--peer-compile", action="store_true",
                       help="let vLLM torch.compile its model (default: --enforce-eager, as the "
                            "serving bench runs it)")

@@ -79,31 +79,39 @@ class SideProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=env, text=True, bufsize=1,
+                                     stderr=self._log, env=env, bufsize=0,
                                      start_new_session=True)
         self.paused = False
+        # Our own line buffer over the raw pipe: select() on a buffered reader's descriptor
+        # misses lines the reader already pulled in (and then waits forever).
+        self._pending = b""
 
     def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self.resume()
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        mark = MARK.encode()
         while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(mark):
+                    out = json.loads(line[len(mark):])
+                    if not out.get("ok"):
+                        raise RuntimeError(f"{self.name}: {out.get('error')}\n{self.log_tail()}")
+                    return out
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"{self.name}: no reply to {msg['op']} in {timeout_s:.0f} s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue
-            line = self.proc.stdout.readline()
-            if not line:
+            data = os.read(fd, 1 << 20)
+            if not data:
                 raise RuntimeError(f"{self.name} exited (see {self.log_path}):\n{self.log_tail()}")
-            if line.startswith(MARK):
-                out = json.loads(line[len(MARK):])
-                if not out.get("ok"):
-                    raise RuntimeError(f"{self.name}: {out.get('error')}\n{self.log_tail()}")
-                return out
+            self._pending += data
 
     def pause(self) -> None:
         if not self.paused and self.proc.poll() is None:
@@ -148,12 +156,16 @@ def _core_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
-def side_commands(venv: Path, cores: list[int], kv_gib: int
+def side_commands(venv: Path, cores: list[int], kv_gib: int, thp: bool = False
                   ) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """(command, environment) of each side's runner."""
+    """(command, environment) of each side's runner (``thp``: both sides' torch allocator
+    asks for transparent huge pages, THP_MEM_ALLOC_ENABLE=1)."""
     project_root = str(Path(__file__).resolve().parent.parent)
     base = {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_PRELOAD")}
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_PRELOAD",
+                         "THP_MEM_ALLOC_ENABLE")}
+    if thp:
+        base["THP_MEM_ALLOC_ENABLE"] = "1"
     ours_env = dict(base)
     ours_env["PYTHONPATH"] = project_root
     ours_env["OMP_NUM_THREADS"] = str(len(cores))
@@ -213,6 +225,7 @@ def run_peer(args) -> int:
             "eager": not args.peer_compile}
     report: dict[str, Any] = {
         "peer": {"name": PEER_NAME, "version": None, "eager": not args.peer_compile},
+        "thp": args.thp,
         "settings": {
             "model": str(model_path), "dtype": "bfloat16", "threads": args.threads,
             "cores": cores, "max_new_tokens": args.max_new_tokens, "reps": args.reps,
@@ -227,7 +240,7 @@ def run_peer(args) -> int:
     }
     started = time.monotonic()
     logdir = Path(tempfile.mkdtemp(prefix="tierserve-bench-peer-"))
-    commands = side_commands(venv, cores, kv_gib)
+    commands = side_commands(venv, cores, kv_gib, thp=args.thp)
     sides: dict[str, SideProcess] = {}
     try:
         for name, (cmd, env) in commands.items():
@@ -238,8 +251,11 @@ def run_peer(args) -> int:
             log(f"{name} {info['version']} loaded in {info['load_s']} s")
             if name == PEER_NAME:
                 report["peer"]["version"] = info["version"]
-            warm = batches[min(batches)][:2]
-            sides[name].request({"op": "generate", "prompts": warm, "max_tokens": 4}, 600)
+            # every batch once, unmeasured: a compiling peer (--peer-compile) compiles its
+            # shapes here, not in the first measured repeat
+            for prompts in batches.values():
+                sides[name].request({"op": "generate", "prompts": prompts, "max_tokens": 2},
+                                    1800)
             sides[name].pause()
         results = _measure(sides, batches, prefill_prompt, args, log)
         report.update(results)

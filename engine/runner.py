@@ -6,10 +6,11 @@ order. Everything else (which requests, how many tokens) is the engine's busines
 
 The step's metadata (token ids, positions, pool rows, block tables, chunk descriptions) is
 built here once per step, as a few tensors, and shared by every layer (engine.attention).
-Row order: decodes, then chunks of at most ``KERNEL_MAX_CHUNK`` tokens (both attended row by
-row through the block tables by the native kernel), then the longer chunks (one SDPA each).
-Without the kernel, decode rows are sorted by context length and grouped (``group_rows``)
-and every chunk takes the SDPA path.
+Row order: decodes, then short chunks (``KERNEL_MAX_CHUNK_FLASH`` tokens with the bf16 flash
+kernel, else ``KERNEL_MAX_CHUNK``), all attended row by row through the block tables by the
+native row kernel, then the longer chunks (the flash kernel, or one SDPA each). Without the
+native kernels, decode rows are sorted by context length and grouped (``group_rows``) and
+every chunk takes the SDPA path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from engine.attention import DecodeGroup, PagedAttention, PrefillChunk, StepMeta
 from engine.block_pool import BlockPool
 from engine.forward import LlamaFamilyForward
-from engine.kernels import load_kernels
+from engine.kernels import NativeKernels, load_kernels
 
 # Chunks up to this many tokens go to the native row kernel with the decodes; longer ones
 # to the bf16 flash kernel (faster from ~8 tokens on), or to SDPA (float32, whose blocked
@@ -66,7 +67,7 @@ class ModelRunner:
         return self.attention.kernel is not None
 
     @property
-    def kernels(self):  # -> NativeKernels | None
+    def kernels(self) -> NativeKernels | None:
         return self.attention.kernel
 
     @torch.inference_mode()

@@ -154,3 +154,49 @@ def test_bf16_engine_with_and_without_kernels_agree(tiny_checkpoints) -> None:
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     same = [engines[0].generate([prompt], greedy)[0], engines[1].generate([prompt], greedy)[0]]
     assert sum(a == b for a, b in zip(*same, strict=True)) >= 6
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    """The same sources built for plain x86-64 (no AVX-512): the paths a CPU without it runs."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from engine.kernels import FLAGS, SOURCES, NativeKernels
+
+    compiler = shutil.which("g++")
+    if compiler is None or KERNELS is None:
+        pytest.skip("no g++ here")
+    target = tmp_path_factory.mktemp("kernels") / "portable.so"
+    flags = [f for f in FLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(target)], check=True,
+                   capture_output=True, timeout=300)
+    kernels = NativeKernels(ctypes.CDLL(str(target)))
+    assert not kernels.has_prefill_attention
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_matches_the_references(portable_kernels, dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(20, 2, 2, 16, 2, 64, generator=g).to(dtype)
+    tables = torch.randperm(20, generator=g)[:16].view(2, 8).to(torch.int32)
+    row_seq = torch.tensor([0, 1, 1], dtype=torch.int32)
+    row_pos = torch.tensor([5, 90, 127], dtype=torch.int32)
+    q = torch.randn(3, 4, 64, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    portable_kernels.attend(q, kv, 1, tables, row_seq, row_pos, 30, 0.125, out)
+    expected = reference_attention(q, kv, 1, tables, row_seq, row_pos, 30, 0.125)
+    assert torch.allclose(out.float(), expected, atol=1e-5 if dtype == torch.float32 else BF16_ATOL)
+    x = torch.randn(3, 100, generator=g)
+    assert torch.equal(portable_kernels.argmax(x), x.max(dim=-1).indices)
+    if dtype == torch.bfloat16:
+        h = torch.randn(4, 96, generator=g).to(dtype)
+        w = torch.rand(96, generator=g).to(dtype)
+        assert torch.allclose(portable_kernels.add_rms_norm(h.clone(), None, w, 1e-6).float(),
+                              hf_rms_norm(h, w, 1e-6).float(), rtol=8e-3, atol=1e-3)
+        gate_up = torch.randn(3, 2 * 40, generator=g).to(dtype)
+        assert torch.allclose(portable_kernels.silu_mul(gate_up).float(),
+                              (F.silu(gate_up[:, :40]) * gate_up[:, 40:]).float(),
+                              rtol=8e-3, atol=1e-3)
