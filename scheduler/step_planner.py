@@ -352,6 +352,19 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
     costs = view.costs
     limit = view.max_num_seqs
+    if len(decodes) >= limit and view.queue:
+        # Every sequence slot is a decode's: an unstarted prefill of a more urgent tier than
+        # the least urgent decode takes one slot from it for this step (that decode sits
+        # the step out), or it would wait for a lower tier's decode to finish.
+        worst = max(d.req.tier for d in decodes)
+        if any(r.tier < worst and view.local[r.req_id].num_blocks == 0
+               for r in view.queue.requests()):
+            limit -= 1
+    if len(decodes) > limit:
+        # More decodes than slots: the most urgent run, not the oldest.
+        order = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes],
+                                                                view.now))}
+        decodes.sort(key=lambda d: order[d.req_id])
     batch = decodes[:limit]
     tight: float | None = None
     ctx = 0

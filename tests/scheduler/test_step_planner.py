@@ -76,6 +76,33 @@ def test_the_decode_batch_keeps_the_tightest_tpot_target() -> None:
     assert len(plan.decodes) < 105  # some tier-2 decodes wait a step for it
 
 
+def test_with_more_decodes_than_slots_the_most_urgent_run_not_the_oldest() -> None:
+    w = make_worker(max_num_seqs=4)
+    for i in range(4):
+        decoding(w, f"old-t3-{i}", 3)  # joined first
+    for i in range(2):
+        decoding(w, f"new-t0-{i}", 0)
+    plan = w.plan(1.0, 4000)
+    assert len(plan.decodes) == 4
+    assert {"new-t0-0", "new-t0-1"} <= set(plan.decodes)
+
+
+def test_an_urgent_prefill_takes_a_slot_from_a_lower_tier_decode_when_all_are_full() -> None:
+    w = make_worker(max_num_seqs=4)
+    for i in range(4):
+        decoding(w, f"t3-{i}", 3)
+    w.add_prefill(req("urgent", 0, 64, arrival=1.0), 64, 1.0)
+    plan = w.plan(1.0, 4000)
+    assert plan.chunks and plan.chunks[0][0] == "urgent"
+    assert len(plan.decodes) == 3  # one tier-3 decode sits this step out
+    w2 = make_worker(max_num_seqs=4)
+    for i in range(4):
+        decoding(w2, f"t0-{i}", 0)
+    w2.add_prefill(req("lower", 3, 64, arrival=1.0), 64, 1.0)
+    plan2 = w2.plan(1.0, 4000)
+    assert len(plan2.decodes) == 4 and not plan2.chunks  # a lower tier waits for a slot
+
+
 def test_kv_pressure_evicts_the_least_urgent_decodes() -> None:
     w = make_worker()
     for i in range(3):
