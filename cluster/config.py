@@ -68,8 +68,10 @@ class ModelConfig(_Frozen):
 class PoolsConfig(_Frozen):
     # Where prefills run (DESIGN §1): on prefill workers with the KV streamed to the decode
     # worker ("disaggregated"), on the decode worker itself ("aggregated": no prefill
-    # workers are needed), or chosen per request by the kernel ("auto").
-    mode: Literal["disaggregated", "aggregated", "auto"] = "disaggregated"
+    # workers are needed), or chosen per request by the kernel ("auto"). Unset: by device,
+    # resolved like ``tiers.preset`` (disaggregated when the workers get GPUs, auto
+    # without: on the 2-core CPU machine auto measured best, README "Where prefills run").
+    mode: Literal["disaggregated", "aggregated", "auto"] | None = None
     # auto: prompts (less their prefix-cache hit) longer than this always go to a prefill
     # worker; shorter ones run where the first token is predicted earlier (like Dynamo's
     # max_local_prefill_length).
@@ -93,15 +95,18 @@ class PoolsConfig(_Frozen):
     num_swap_blocks: int = Field(512, ge=0)
     prefill_chunk_size: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
-    max_num_seqs: int = Field(32, ge=1)
+    # Sequences in one engine step (vLLM's CPU server default, 128); within it the step
+    # planner sizes the decode batch to the tiers' TPOT targets.
+    max_num_seqs: int = Field(128, ge=1)
     # torch intra-op threads per worker (1 keeps many actors on few cores fair).
     torch_threads: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> PoolsConfig:
         if self.mode != "aggregated" and self.num_prefill < 1:
-            raise ValueError(f"num_prefill: mode {self.mode!r} needs at least one prefill "
-                             "worker (mode aggregated needs none)")
+            mode = self.mode or "unset (by device: auto or disaggregated)"
+            raise ValueError(f"num_prefill: mode {mode} needs at least one prefill worker "
+                             "(mode aggregated needs none)")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         budgets = [name for name in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_memory_fraction")
@@ -298,19 +303,23 @@ class ClusterConfig(_Frozen):
 
     @property
     def pool_mode(self) -> str:
-        return self.pools.mode
+        return self.pools.mode or ("disaggregated" if self.uses_gpus else "auto")
 
     @property
     def uses_gpus(self) -> bool:
         return self.pools.num_gpus_per_worker > 0 or self.model.device == "cuda"
 
     def resolve_presets(self) -> ClusterConfig:
-        """The tree with ``tiers.preset: auto`` made concrete (cpu unless the workers get
-        GPUs), so every process that receives it sees the same targets."""
-        if self.tiers.preset != "auto":
-            return self
-        preset = "gpu" if self.uses_gpus else "cpu"
-        return self.model_copy(update={"tiers": self.tiers.model_copy(update={"preset": preset})})
+        """The tree with the by-device defaults made concrete (``tiers.preset: auto``: cpu
+        unless the workers get GPUs; an unset ``pools.mode``: disaggregated on GPUs, auto
+        without), so every process that receives it sees the same targets and mode."""
+        update: dict[str, Any] = {}
+        if self.tiers.preset == "auto":
+            preset = "gpu" if self.uses_gpus else "cpu"
+            update["tiers"] = self.tiers.model_copy(update={"preset": preset})
+        if self.pools.mode is None:
+            update["pools"] = self.pools.model_copy(update={"mode": self.pool_mode})
+        return self.model_copy(update=update) if update else self
 
     @property
     def requires_api_key(self) -> bool:
