@@ -151,15 +151,19 @@ class DecodeWorker:
                        state=RequestState.PREFILLING)
         if msg.prefill_worker_id is None:
             return await self._dispatch_local(spec, kreq)
+        def reserve() -> tuple[list[int] | None, int]:
+            blocks = self.engine.reserve(rid, len(prompt), prompt_token_ids=prompt)
+            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
+
         try:
-            blocks = await self._thread.call(self.engine.reserve, rid, len(prompt),
-                                             prompt_token_ids=prompt)
+            # One call: each call waits for the engine's running step, and a second one
+            # would queue behind the step the step loop submits in between.
+            blocks, num_cached = await self._thread.call(reserve)
         except ValueError as e:  # longer than the model's context or the whole pool
             return DispatchAnswer(rid, False, self.engine.num_free_blocks,
                                   reason=f"invalid: {e}", fatal=True)
         if blocks is None:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="no room")
-        num_cached = await self._thread.call(self.engine.num_reserved_cached_blocks, rid)
         ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
         self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks))
         self._watch_router(spec.router_id)
@@ -392,8 +396,11 @@ class DecodeWorker:
         r = self._reqs.get(rid)
         if r is None or r.stage is not Stage.SWAPPED:
             return
-        if await self._thread.call(self.engine.swap_in, rid):
-            n = len(await self._thread.call(self.engine.block_ids, rid))
+
+        def swap_in() -> int | None:
+            return len(self.engine.block_ids(rid)) if self.engine.swap_in(rid) else None
+
+        if (n := await self._thread.call(swap_in)) is not None:
             r.stage = Stage.DECODING
             self.sched.swapped_in(rid, n)
             self._event(rid, WorkerEvent.RESUMED_SWAP)
