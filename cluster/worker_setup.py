@@ -71,7 +71,10 @@ def _transfer_endpoint(kind: str, engine: Any, location: Any) -> Any:
         host = "127.0.0.1"
     loc = Location(node_id=location.node, device=location.device,
                    nvlink_domain=location.nvlink_domain, host=host)
-    tcfg = TransferConfig(stall_timeout_s=10.0, start_timeout_s=600.0, connect_timeout_s=30.0)
+    # The stall timeout is for a hung peer (a dead one is seen at once); the kernel may pause
+    # a started lower-tier prefill between chunks while more urgent prompts run, and at 10 s
+    # such pauses failed transfers under load (9 in a 10-minute peer-bench run).
+    tcfg = TransferConfig(stall_timeout_s=60.0, start_timeout_s=600.0, connect_timeout_s=30.0)
     cls = KVConsumer if kind == "consumer" else KVProducer
     return cls(engine.pool, location=loc, config=tcfg)
 
