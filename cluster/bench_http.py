@@ -75,6 +75,8 @@ class Outcome:
     error: str = ""
     # The HTTP status when the server answered with anything but 200 (None otherwise).
     status: int | None = None
+    # The server's id for it (tierserve's x-tierserve-request-id header; `tierserve why`).
+    req_id: str = ""
 
     @property
     def is_rejected(self) -> bool:
@@ -105,11 +107,13 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     marks: dict[str, float] = {}
     n = 0
     status: int | None = None
+    req_id = ""
 
     async def stream() -> str | None:
-        nonlocal n, status
+        nonlocal n, status, req_id
         async with client.stream("POST", f"{url}/v1/completions", json=body,
                                  headers={"x-tierserve-tier": str(tier)}) as r:
+            req_id = r.headers.get("x-tierserve-request-id", "")
             if r.status_code != 200:
                 status = r.status_code
                 text = (await r.aread()).decode(errors="replace")[:200]
@@ -138,12 +142,12 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     except Exception as e:  # connection refused / reset: counted as an error, run goes on
         return Outcome(tier, False, error=f"{type(e).__name__}: {e}")
     if error is not None:
-        return Outcome(tier, False, error=error, status=status)
+        return Outcome(tier, False, error=error, status=status, req_id=req_id)
     first, last = marks.get("first"), marks.get("last", t0)
     if first is None:
         return Outcome(tier, False, error="no tokens")
     tpot = (last - first) / (n - 1) if n > 1 else None
-    return Outcome(tier, True, first - t0, tpot, last - t0, n)
+    return Outcome(tier, True, first - t0, tpot, last - t0, n, req_id=req_id)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
