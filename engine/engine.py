@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ class LLMEngine:
         *,
         model: torch.nn.Module | None = None,
         tokenizer: object | None = None,
+        runner: Any | None = None,
     ) -> None:
         self.config = config
         check_device(config.torch_device)
@@ -73,7 +75,10 @@ class LLMEngine:
         self.pool = BlockPool(
             **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching
         )
-        self.runner = ModelRunner(model, self.pool, use_kernel=config.native_kernels)
+        # ``runner``: what executes a step (default: the model's forward over the pool; the
+        # stub engine of bench-control passes one that runs no model).
+        self.runner = runner if runner is not None else ModelRunner(
+            model, self.pool, use_kernel=config.native_kernels)
         self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}

@@ -42,7 +42,9 @@ class _StubModel(torch.nn.Module):
 
 
 class _StubRunner:
-    """Zero logits for every sampled row: no forward at all."""
+    """Zero logits for every sampled row: no forward at all (and no native kernels)."""
+
+    kernels = None
 
     def execute(self, decodes: Sequence[object], chunks: Sequence[object]) -> torch.Tensor:
         n = sum(1 for w in (*decodes, *chunks) if getattr(w, "sample", False))
@@ -54,6 +56,4 @@ def make_stub_engine(num_kv_blocks: int, block_size: int = 16, *, max_num_seqs: 
     cfg = EngineConfig(model="stub", dtype="float32", device="cpu", block_size=block_size,
                        num_kv_blocks=num_kv_blocks, prefill_chunk_size=max_num_batched_tokens,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    engine = LLMEngine(cfg, model=_StubModel(), tokenizer=None)
-    engine.runner = _StubRunner()  # type: ignore[assignment]
-    return engine
+    return LLMEngine(cfg, model=_StubModel(), tokenizer=None, runner=_StubRunner())
