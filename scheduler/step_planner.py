@@ -361,10 +361,9 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
                for r in view.queue.requests()):
             limit -= 1
     if len(decodes) > limit:
-        # More decodes than slots: the most urgent run, not the oldest.
-        order = {r.req_id: i for i, r in enumerate(policy.order([d.req for d in decodes],
-                                                                view.now))}
-        decodes.sort(key=lambda d: order[d.req_id])
+        # More decodes than slots: the most urgent tiers run, not the oldest (within a tier
+        # in join order; a stable sort on the tier alone keeps this step cheap).
+        decodes.sort(key=lambda d: d.req.tier)
     batch = decodes[:limit]
     tight: float | None = None
     ctx = 0
