@@ -309,15 +309,18 @@ def tune_result(args: Sequence[str], summary: Mapping[str, Any]) -> TuneResult:
 
 
 def choose_tuning(results: Sequence[TuneResult]) -> int:
-    """Index of the best: tier-0 attainment first, then goodput; the first on a tie."""
+    """Index of the best: tier-0 attainment first, then goodput; on a tie vLLM's own
+    defaults (no args: what its docs ship), else the first. A short calibration often ties
+    every candidate, and then nothing was learned that would justify leaving the defaults."""
     if not results:
         raise ValueError("no tuning results to choose from")
 
-    def key(i: int) -> tuple[float, float]:
+    def key(i: int) -> tuple[float, float, bool, int]:
         r = results[i]
-        return (-1.0 if r.tier0_attainment is None else r.tier0_attainment, r.goodput_rps)
+        return (-1.0 if r.tier0_attainment is None else r.tier0_attainment, r.goodput_rps,
+                not r.args, -i)
 
-    return max(range(len(results)), key=lambda i: (key(i), -i))
+    return max(range(len(results)), key=key)
 
 
 def tiers_json(tiers: Any) -> dict[str, dict[str, Any]]:

@@ -195,13 +195,14 @@ def test_tuning_candidates_cover_every_combination_default_as_no_flag() -> None:
                      (), ("--max-num-seqs", "64"))
 
 
-def test_tuning_prefers_tier0_attainment_then_goodput_then_the_first() -> None:
+def test_tuning_prefers_tier0_attainment_then_goodput_then_the_defaults() -> None:
     r = bench_peer.TuneResult
     results = [r(("a",), 0.9, 9.0), r(("b",), 0.95, 1.0), r(("c",), 0.95, 2.0),
                r(("d",), None, 50.0)]
     assert bench_peer.choose_tuning(results) == 2
     tie = [r(("a",), 1.0, 2.0), r(("b",), 1.0, 2.0)]
     assert bench_peer.choose_tuning(tie) == 0
+    assert bench_peer.choose_tuning([*tie, r((), 1.0, 2.0)]) == 2  # a tie keeps the defaults
     assert bench_peer.choose_tuning([r(("a",), None, 0.0), r(("b",), 0.0, 0.0)]) == 1
 
 
