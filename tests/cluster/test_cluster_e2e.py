@@ -37,6 +37,7 @@ def cluster(tiny_path: Path) -> Iterator[object]:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     cfg = load_config(overrides=[
+        "pools.mode=disaggregated",  # these tests are about prefill -> decode transfers
         f"model.path={tiny_path}", f"model.served_name={MODEL}", f"router.port={free_port()}",
         "model.dtype=float32", "pools.num_prefill=1", "pools.num_decode=2",
         "pools.num_cpus_per_worker=0.25",

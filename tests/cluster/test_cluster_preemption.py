@@ -52,6 +52,7 @@ def small_cluster(tmp_path_factory: pytest.TempPathFactory
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny") / "llama")
     traces = tmp_path_factory.mktemp("traces") / "traces.jsonl"
     cfg = load_config(overrides=[
+        "pools.mode=disaggregated",  # these tests are about prefill -> decode transfers
         f"model.path={path}", "model.dtype=float32", "pools.num_prefill=1",
         "pools.num_decode=1", "pools.num_cpus_per_worker=0.25", "pools.num_kv_blocks=40",
         "pools.prefill_chunk_size=64", f"tiers.tiers={TIERS}", "tracing.enabled=true",

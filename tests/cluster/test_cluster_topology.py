@@ -46,6 +46,7 @@ def two_node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     ray.init(address=ray_cluster.address, namespace="tierserve-topology")
     place = "[{node: a, nvlink_domain: nvl-a}, {node: b, nvlink_domain: nvl-b}]"
     cfg = load_config(overrides=[
+        "pools.mode=disaggregated",  # these tests are about prefill -> decode transfers
         f"model.path={path}", "model.dtype=float32", "pools.num_prefill=2", "pools.num_decode=2",
         "pools.num_cpus_per_worker=0.25", "pools.num_kv_blocks=128",
         f"topology.prefill={place}", f"topology.decode={place}"], environ={})
