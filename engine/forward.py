@@ -49,6 +49,12 @@ class Projection:
         return _packed_linear(x, self.packed, self.bias, "none", [], "")
 
 
+def can_pack_bf16() -> bool:
+    """Whether oneDNN runs packed bf16 linears on this CPU (it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on an AVX2-only CPU the reorder raises, and bf16 stays on F.linear)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 # The batch size oneDNN packs for; 1, 16 and 64 measured the same at batch 1 to 64.
 PACK_HINT = 16
 PACK = True  # False: plain F.linear everywhere (the A/B switch of engine/README.md)
@@ -82,7 +88,8 @@ class LlamaFamilyForward:
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.eps = float(base.norm.variance_epsilon)
-        pack = PACK and self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16
+        pack = (PACK and self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16
+                and can_pack_bf16())
         self.lm_head = _cached(model.lm_head, pack, lambda: Projection(
             model.lm_head.weight, getattr(model.lm_head, "bias", None), pack))
         self.rotary = base.rotary_emb
