@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
-from engine.config import EngineConfig, check_device
-from engine.errors import PromptTooLong
+from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
+from engine.errors import EngineSettingError, PromptTooLong
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
 from engine.requests import EngineRequest, ReqState
@@ -72,14 +72,25 @@ class LLMEngine:
             budget_bytes=config.kv_cache_bytes,
             fraction=config.kv_cache_fraction,
         )
+        self.attention = resolve_attention(config.attention, device)
+        if (self.attention is AttentionChoice.FLEX and device.type == "cuda"
+                and config.block_size % 16):
+            raise EngineSettingError(
+                "block_size", f"flex attention on CUDA needs a multiple of 16 tokens, got "
+                f"{config.block_size}")
         self.pool = BlockPool(
-            **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching
+            **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching,
+            layer_major=self.attention is AttentionChoice.FLEX,
         )
         # ``runner``: what executes a step (default: the model's forward over the pool; the
         # stub engine of bench-control passes one that runs no model).
         self.runner = runner if runner is not None else ModelRunner(
             model, self.pool, use_kernel=config.native_kernels)
         self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
+        if (runner is None and device.type == "cuda" and config.cuda_graph_max_batch > 0
+                and self.runner.uses_flex):
+            self.runner.enable_decode_graphs(
+                min(config.cuda_graph_max_batch, config.max_num_seqs), self.max_model_len)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}
         self._waiting: deque[EngineRequest] = deque()
