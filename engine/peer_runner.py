@@ -57,7 +57,7 @@ class TierserveSide:
 
         self._params = SamplingParams
         self.engine = LLMEngine(EngineConfig(
-            model=init["model"], dtype="bfloat16", kv_cache_bytes=int(init["kv_bytes"]),
+            model=init["model"], dtype=init.get("dtype", "bfloat16"), kv_cache_bytes=int(init["kv_bytes"]),
             max_num_seqs=int(init["max_num_seqs"]),
             max_num_batched_tokens=int(init["max_num_batched_tokens"]),
             prefill_chunk_size=int(init["max_num_batched_tokens"]),
@@ -79,7 +79,7 @@ class VllmSide:
         self.version = vllm.__version__
         self._params = vllm.SamplingParams
         self.llm = vllm.LLM(
-            model=init["model"], dtype="bfloat16", max_num_seqs=int(init["max_num_seqs"]),
+            model=init["model"], dtype=init.get("dtype", "bfloat16"), max_num_seqs=int(init["max_num_seqs"]),
             max_num_batched_tokens=int(init["max_num_batched_tokens"]),
             enforce_eager=bool(init["eager"]), enable_prefix_caching=False, seed=0,
         )
