@@ -61,6 +61,10 @@ class ModelConfig(_Frozen):
     path: str = "default"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How attention reads the paged KV: "auto" (FlexAttention through block tables on CUDA,
+    # the native CPU kernels on CPU), "paged" (block-major pool; gathered SDPA on CUDA) or
+    # "flex" (layer-major pool; eager and slow on CPU). engine/README.md says why.
+    attention: Literal["auto", "paged", "flex"] = "auto"
     # The name clients pass as `model`; empty means the checkpoint folder's name.
     served_name: str = ""
 
@@ -94,6 +98,8 @@ class PoolsConfig(_Frozen):
     # CPU blocks each decode worker may swap out to.
     num_swap_blocks: int = Field(512, ge=0)
     prefill_chunk_size: int = Field(256, ge=1)
+    # CUDA graphs of decode-only steps up to this batch (flex attention on CUDA); 0: none.
+    cuda_graph_max_batch: int = Field(64, ge=0, le=1024)
     max_num_batched_tokens: int = Field(1024, ge=1)
     # Sequences in one engine step (vLLM's CPU server default, 128); within it the step
     # planner sizes the decode batch to the tiers' TPOT targets.

@@ -45,6 +45,8 @@ _ENGINE_SETTINGS = {
     "model": "model.path", "dtype": "model.dtype", "device": "model.device",
     "num_kv_blocks": "pools.num_kv_blocks", "kv_cache_bytes": "pools.kv_cache_bytes",
     "kv_cache_fraction": "pools.kv_cache_memory_fraction",
+    "attention": "model.attention", "block_size": "pools.block_size",
+    "cuda_graph_max_batch": "pools.cuda_graph_max_batch",
 }
 
 
@@ -80,6 +82,8 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
             prefill_chunk_size=p.prefill_chunk_size,
             max_num_batched_tokens=max(p.max_num_batched_tokens, p.max_num_seqs),
             max_num_seqs=p.max_num_seqs,
+            attention=cfg.model.attention,
+            cuda_graph_max_batch=p.cuda_graph_max_batch,
             **budget,
         )
         return LLMEngine(ec)
