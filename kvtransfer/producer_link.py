@@ -12,8 +12,9 @@ the transfer's tag, sent once its last position is pushed and the consumer can t
 * announced path (NCCL, or with checksums): a Blocks message (with the checksums) precedes
   each batch of segments; the consumer posts their receives when it reads it.
 
-A segment is sent straight from the pool when its source blocks are consecutive, else
-gathered into a staging slab. Sends are issued under ``_issue_lock`` in order, so at most one
+A segment is sent straight from a block-major pool when its source blocks are consecutive,
+else gathered into a staging slab in the wire layout; from a layer-major pool every segment is
+gathered (kvtransfer.buffers), so the consumer sees the same messages from either layout. Sends are issued under ``_issue_lock`` in order, so at most one
 message per posted receive ever travels on a tag: when the consumer cancels (its End), one
 empty message releases its next posted receive if some segment was not sent (the flush),
 and no segment is sent after that.
@@ -148,12 +149,14 @@ class ProducerLink:
 
     def _segment_message(self, record: TransferRecord, seg: Segment, read: bool = True
                          ) -> tuple[torch.Tensor, Slab | None, SlabPool | None]:
-        """The segment as one message: a run of the pool, or its blocks gathered into a slab.
-        ``read`` False (a transfer that ended after it was announced): a slab as it is, so
-        that no read of the source blocks starts after the end (the consumer drains it)."""
+        """The segment as one message: a run of a block-major pool, or its blocks gathered
+        into a slab. ``read`` False (a transfer that ended after it was announced): a slab as
+        it is, so that no read of the source blocks starts after the end (the consumer drains
+        it)."""
         positions, src, n = seg.positions, record.src, seg.num_blocks
         first = src[positions[0]]
-        if read and (n == 1 or [src[p] for p in positions] == list(range(first, first + n))):
+        if read and self._pool.block_major and (
+                n == 1 or [src[p] for p in positions] == list(range(first, first + n))):
             return self._pool.run(first, n), None, None
         staging = self._staging.get(record.segment_blocks)
         if staging is None:
