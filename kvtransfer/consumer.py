@@ -1,4 +1,5 @@
-"""The decode side: reserve-then-receive, writing straight into the reserved slots.
+"""The decode side: reserve-then-receive into the reserved slots (straight into a block-major
+pool; through staging slabs, scattered into the slots, in a layer-major one).
 
 Life of a transfer here::
 
@@ -9,8 +10,11 @@ Life of a transfer here::
     3. Open(req)                        checked against the reservation (count, block ids,
                                         dtype, shapes, tag, plan) before any receive is posted;
                                         refused: End(FAILED). Posted path: every segment's
-                                        receive is posted straight into its slots, Ready
-    4. segments land                    in plan order (announced path: after their Blocks)
+                                        receive is posted straight into its slots (layer-
+                                        major: a window of them into slabs), Ready
+    4. segments land                    in plan order (announced path: after their Blocks);
+                                        layer-major: each is scattered from its slab into
+                                        the slots once its receive completed
     5. every segment landed             DONE, End(DONE) to the producer
     any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal
     once no receive is left posted into the slots; from then on nothing is written into
