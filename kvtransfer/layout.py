@@ -4,13 +4,14 @@ On the wire a block is always ``[num_layers, 2, block_size, num_kv_heads, head_d
 layer's K and V of its tokens, and ``n`` blocks are ``group_shape(n)`` with the blocks outermost.
 A pool holds its blocks one of two ways (``KVStore.block_major``):
 
-* block-major ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (the engine's
-  ``BlockPool`` today): a block is ``kv[block_id]``, the wire layout itself, so a run of
-  consecutive blocks is one contiguous region and travels as one message, straight from the
-  producer's pool and straight into the consumer's slots;
-* layer-major ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (what an
-  attention kernel over block tables wants: each layer's K, and V, of every block is one
-  uniform-stride sequence): a block is ``num_layers * 2`` pieces, one per layer and K/V, so
+* block-major ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (the
+  engine's ``BlockPool`` with paged attention, on CPU): a block is ``kv[block_id]``, the wire
+  layout, so a run of consecutive blocks is one contiguous region and travels as one
+  message, straight from the producer's pool and straight into the consumer's slots;
+* layer-major ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (the
+  engine's ``BlockPool`` with flex attention, the CUDA path: each layer's K, and V, of every
+  block is one uniform-stride sequence; dim 2 may hold more blocks than the store hands out,
+  as the engine's null block): a block is ``num_layers * 2`` pieces, one per layer and K/V, so
   every segment goes through a staging slab in the wire layout (gathered from the pool on the
   producer, scattered into the slots on the consumer, :mod:`kvtransfer.buffers`).
 
