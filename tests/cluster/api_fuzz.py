@@ -109,14 +109,18 @@ def fuzz(raw_schema: dict[str, Any], model: str, send: Send, *, examples: int,
         chosen = runs if method == "POST" else [runs[0], runs[0], runs[2]]
         for i, (raw, mode) in enumerate(chosen):
             op = schemathesis.openapi.from_dict(raw)[path][method]
-            strategy = op.as_strategy(generation_mode=mode)
+            _run(op.as_strategy(generation_mode=mode), send, rep,
+                 f"{method} {path} ({mode.value})", examples, i, key)
 
-            @seed(i)  # reproducible runs, a different one each time
-            @settings(max_examples=examples, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(strategy, _headers(key))
-            def run(case: Any, extra: dict[str, str]) -> None:
-                status, headers, body = send(case, extra)
-                _check(rep, f"{method} {path} ({mode.value})", status, headers, body)
 
-            run()
+def _run(strategy: Any, send: Send, rep: FuzzReport, what: str, examples: int, run_seed: int,
+         key: str | None) -> None:
+    @seed(run_seed)  # reproducible runs, a different one each time
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy, _headers(key))
+    def run(case: Any, extra: dict[str, str]) -> None:
+        status, headers, body = send(case, extra)
+        _check(rep, what, status, headers, body)
+
+    run()
