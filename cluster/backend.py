@@ -67,6 +67,19 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        self._vocab_size = len(tokenizer)
+        # A token's text is at least as long in UTF-8 as the bytes it stands for (byte-level
+        # BPE marks and sentencepiece's byte pieces only make it longer): a safe bound.
+        self._max_token_bytes = max(
+            (len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=1)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self._max_token_bytes
 
     @classmethod
     def from_path(cls, path: str) -> HFTokenizer:
@@ -342,8 +355,8 @@ class ClusterBackend:
             live["prefill"] > 0 or mode == "aggregated")
         return {"ok": ok, "live_workers": live, "policy": stats["policy"], "mode": mode}
 
-    async def why(self, req_id: str) -> dict[str, Any] | None:
-        return unpack(await self._rpc(self._sched.why.remote(req_id)))
+    async def why(self, req_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        return unpack(await self._rpc(self._sched.why.remote(req_id, tenant)))
 
     async def metrics(self) -> tuple[bytes, str]:
         from router.metrics import CONTENT_TYPE

@@ -338,8 +338,9 @@ class GlobalScheduler:
         self.metrics.on_prefix_lookup(num_blocks, num_hit)
 
     def on_closed(self, req: Request) -> None:
-        self.specs.pop(req.req_id, None)
-        rlog = RequestLog.from_request(req, self.transfers.pop(req.req_id, []))
+        spec = self.specs.pop(req.req_id, None)
+        rlog = RequestLog.from_request(req, self.transfers.pop(req.req_id, []),
+                                       tenant=spec.tenant if spec is not None else "")
         self.logs[req.req_id] = rlog
         while len(self.logs) > MAX_LOGS:
             self.logs.popitem(last=False)
@@ -351,11 +352,15 @@ class GlobalScheduler:
 
     # -- read side -----------------------------------------------------------------------
 
-    def why(self, req_id: str) -> dict[str, object] | None:
+    def why(self, req_id: str, tenant: str | None = None) -> dict[str, object] | None:
+        """``tenant`` set: only that tenant's request, naming no other tenant's."""
         logs: dict[str, RequestLog] = dict(self.logs)
         for req, _, _ in self.core.entries():
-            logs[req.req_id] = RequestLog.from_request(req, self.transfers.get(req.req_id, []))
-        report = explain(req_id, logs, self.tiers, now=time.time())
+            spec = self.specs.get(req.req_id)
+            logs[req.req_id] = RequestLog.from_request(
+                req, self.transfers.get(req.req_id, []),
+                tenant=spec.tenant if spec is not None else "")
+        report = explain(req_id, logs, self.tiers, now=time.time(), viewer=tenant)
         return None if report is None else report.to_dict()
 
     def render_metrics(self) -> tuple[bytes, str]:

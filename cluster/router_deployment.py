@@ -45,12 +45,14 @@ class RouterIngress:
     def __serve_build_asgi_app__(self) -> Any:
         rc = self._cfg.router
         tenants = TenantDirectory(
-            [TenantEntry(t.name, t.api_keys, t.tier, t.may_override_tier)
+            [TenantEntry(t.name, t.api_keys, t.tier, t.may_override_tier, t.max_tier_override)
              for t in self._cfg.tenants],
             self._cfg.tier_config.num_tiers)
         settings = RouterSettings(max_tokens_limit=rc.max_tokens_limit,
                                   default_max_tokens=rc.default_max_tokens,
-                                  request_timeout_s=rc.request_timeout_s)
+                                  request_timeout_s=rc.request_timeout_s,
+                                  max_body_bytes=rc.max_body_bytes,
+                                  open_metrics=rc.open_metrics)
         return build_app(self._backend, tenants=tenants, settings=settings)
 
 

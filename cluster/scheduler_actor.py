@@ -191,8 +191,8 @@ def _make_actor_class() -> Any:
         async def ready(self) -> bool:
             return self._svc.ready()
 
-        async def why(self, req_id: str) -> bytes:
-            return pack(self._svc._core().why(req_id))
+        async def why(self, req_id: str, tenant: str | None = None) -> bytes:
+            return pack(self._svc._core().why(req_id, tenant))
 
         async def metrics(self) -> bytes:
             payload, _ = self._svc._core().render_metrics()

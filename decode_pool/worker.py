@@ -73,6 +73,9 @@ StartPrefillFn = Callable[[str, StartPrefill], Awaitable[str | None]]
 ROUTER_GRACE_S = 10.0
 # Ids of aborted requests remembered so a dispatch that races its abort is refused.
 TOMBSTONE_S = 60.0
+# A step loop that fails this many times in a row ends the requests of the failing step
+# (an error to each client) instead of retrying them forever.
+MAX_STEP_FAILURES = 3
 
 
 class Stage(enum.Enum):
@@ -127,6 +130,7 @@ class DecodeWorker:
         self._report_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stepping: list[str] = []  # the requests of the step being run
         self.num_steps = 0
 
     def start(self) -> None:
@@ -219,6 +223,10 @@ class DecodeWorker:
         for item in batch.items:
             r = self._reqs.get(item.req_id)
             if r is None or r.stage is not Stage.RECEIVING:
+                continue
+            if item.error is not None:  # its prefill failed on it alone: no KV will come
+                self._event(item.req_id, WorkerEvent.ABORTED, reason="step_failed")
+                await self.abort(item.req_id, error=item.error)
                 continue
             r.first_token = item.first_token
             r.first_token_time = item.time or time.time()
@@ -314,22 +322,38 @@ class DecodeWorker:
     # -- loops ---------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        failures = 0
         while True:
             waiting = self._draining or any(r.stage is Stage.RECEIVING for r in self._reqs.values())
             if not self.sched.has_work():
                 await wait_event(self._wake, 0.005 if waiting else 0.25)
             self._wake.clear()
+            self._stepping = []
             try:
                 await self._free_drained()
                 await self._join_transfers()
                 if self.sched.has_work():
                     await self._step()
                 self._flush()
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep serving the other requests
-                log.exception("decode worker %s: step failed", self.worker_id)
+                failures += 1
+                log.exception("decode worker %s: step failed (%d in a row)", self.worker_id,
+                              failures)
+                if failures >= MAX_STEP_FAILURES:  # a bound, never a retry forever
+                    failures = 0
+                    await self._fail_requests(self._stepping, "step_failed: the worker's "
+                                              f"step failed {MAX_STEP_FAILURES} times")
                 await asyncio.sleep(0.05)
+
+    async def _fail_requests(self, req_ids: list[str], error: str) -> None:
+        for rid in req_ids:
+            if rid in self._reqs:
+                self._event(rid, WorkerEvent.ABORTED, reason="step_failed")
+                await self.abort(rid, error=error)
+        self._flush()
 
     async def _step(self) -> None:
         now = time.time()
@@ -343,10 +367,13 @@ class DecodeWorker:
         for rid in plan.swap_in:
             await self._swap_in(rid)
         decodes = [rid for rid in plan.decodes if rid in self._reqs]
+        self._stepping = [*decodes, *(rid for rid, _ in plan.chunks)]
         t0 = time.perf_counter()
         outs, refused, blocks, computed, events = await self._thread.call(
             self._run, decodes, list(plan.chunks))
-        seconds = time.perf_counter() - t0
+        seconds: float | None = time.perf_counter() - t0
+        if any(o.error is not None for o in outs):
+            seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
         done = set(self.sched.commit(plan, now, seconds=seconds, refused=refused, blocks=blocks,
                                      computed=computed))
@@ -372,6 +399,12 @@ class DecodeWorker:
         for out in outs:
             r = self._reqs.get(out.req_id)
             if r is None:
+                continue
+            if out.error is not None:  # the step failed on this request alone; it left the engine
+                self._reqs.pop(out.req_id, None)
+                self.sched.remove(out.req_id)
+                self._emit(r, (), error=f"step_failed: {out.error}")
+                self._event(out.req_id, WorkerEvent.ABORTED, reason="step_failed")
                 continue
             if out.req_id in done and r.stage is Stage.PREFILLING:
                 fresh = r.num_streamed == 0
@@ -428,8 +461,14 @@ class DecodeWorker:
                 continue
             self.consumer.forget(rid)
             prompt = list(r.spec.prompt_token_ids)
-            await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
-                                    r.first_token, sampling_params(r.spec), list(r.block_ids))
+            try:
+                await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
+                                        r.first_token, sampling_params(r.spec),
+                                        list(r.block_ids))
+            except ValueError as e:  # this request can never decode here: end it alone
+                self._event(rid, WorkerEvent.ABORTED, reason="invalid")
+                await self.abort(rid, error=f"invalid: {e}")
+                continue
             r.stage = Stage.DECODING
             r.kreq.state = RequestState.DECODING
             r.kreq.first_token_time = r.first_token_time

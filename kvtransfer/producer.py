@@ -274,4 +274,6 @@ def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], int, 
         k in consumer for k in ("endpoint_id", "backend", "server", "location", "layout")
     ):
         raise ValueError("ticket consumer must be a consumer's address() dict")
+    if not isinstance(consumer.get("secret"), str) or not consumer["secret"]:
+        raise ValueError("ticket consumer carries no secret (a ticket from KVConsumer.expect)")
     return req_id, list(block_ids), frozenset(present), tag, segment_blocks, consumer

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import FramePool, PoolView, Slab, SlabPool, crc32
 from kvtransfer.layout import dtype_to_wire
@@ -199,9 +199,10 @@ class ProducerLink:
         self._fwd = backend.open_queue(owner._server, cfg.connect_timeout_s)
         accept = backend.open_queue(server, cfg.connect_timeout_s)
         rev = backend.open_queue(server, cfg.connect_timeout_s)
+        proof = auth.pair_proof(str(self._consumer["secret"]), self.pair, owner.endpoint_id)
         hello = wire.encode(wire.Hello(
             self.pair, owner.endpoint_id, dict(owner._server), owner.location.to_wire(),
-            owner.layout.to_wire()))
+            owner.layout.to_wire(), proof))
         channel = backend.open_channel(server, self.pair, 0, owner.layout.device,
                                        owner.location.host, cfg.connect_timeout_s,
                                        on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello))

@@ -277,6 +277,9 @@ class Prefilled:
     first_token: int
     finish: str | None = None  # the first token is also the last ("stop" | "length")
     time: float = 0.0
+    # The prefill failed on this request alone (``step_failed: ...``): no token, no KV
+    # will come; the decode worker ends it with this error (its router is told).
+    error: str | None = None
 
 
 @message("pres")
