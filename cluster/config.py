@@ -183,6 +183,11 @@ class SchedulingConfig(_Frozen):
     policy: str = "tierserve"
     # How often the global scheduler runs its deadline watcher and fair-share update.
     control_interval_s: float = Field(0.1, gt=0)
+    # A worker that has requests to step and makes no engine step (or sends no report) for
+    # this long is hung: the scheduler kills it and Ray starts it again (cluster/
+    # supervisor.py). Keep it above the longest step a worker may take (a long prefill
+    # chunk on a CPU takes seconds).
+    worker_stall_timeout_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> SchedulingConfig:

@@ -22,7 +22,9 @@ Life of a request on a decode worker (STYLE.md item 7), by the stage that holds 
    (SWAPPED, back when blocks free up) or recompute here (PREFILLING again).
 6. ABORT: the router's client left, the cluster gave up on it, or a reader vanished:
    blocks freed (a reservation still receiving once its transfer has ended, so that no
-   block lands in memory given to another request).
+   block lands in memory given to another request). A prefill worker that died takes
+   with it the requests still RECEIVING from it whose KV has not all arrived
+   (``release_waiting``: their routers retry them); those it had finished decode on.
 
 Every lifecycle change is reported to the global scheduler as an event (one
 ``WorkerReport`` right after a step that produced events, else every control interval),
@@ -46,6 +48,8 @@ from scheduler.messages import (
     Dispatch,
     DispatchAnswer,
     GenerationSpec,
+    HeldRequest,
+    HeldStage,
     PrefilledBatch,
     ReqEvent,
     RunningReq,
@@ -95,6 +99,7 @@ class _Req:
     first_token_time: float | None = None
     early_finish: str | None = None  # the prefill's first token was also its last
     num_streamed: int = 0  # output tokens sent to the router
+    prefill_worker_id: str | None = None  # RECEIVING: whose KV it waits for
 
     @property
     def router_id(self) -> str:
@@ -132,6 +137,9 @@ class DecodeWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._stepping: list[str] = []  # the requests of the step being run
         self.num_steps = 0
+        # The last plan had nothing to run (waiting for room or a transfer): steps are not
+        # due, so a still step count is no stall (WorkerReport.is_busy).
+        self._plan_was_empty = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -169,7 +177,8 @@ class DecodeWorker:
         if blocks is None:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="no room")
         ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
-        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks))
+        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks),
+                               prefill_worker_id=msg.prefill_worker_id)
         self._watch_router(spec.router_id)
         try:
             refusal = await self._start_prefill(msg.prefill_worker_id,
@@ -297,6 +306,38 @@ class DecodeWorker:
         self._wake.set()
         return bool(ok)
 
+    async def release_waiting(self, prefill_worker_id: str,
+                              req_ids: tuple[str, ...] | None = None) -> list[str]:
+        """``prefill_worker_id`` died: drop the requests (all, or ``req_ids``) still
+        receiving from it whose KV or first token has not arrived; their routers hear
+        ``worker_failed`` and retry. Requests whose KV is all here stay. Returns the
+        dropped ids."""
+        dropped = []
+        for rid, r in list(self._reqs.items()):
+            if (r.stage is not Stage.RECEIVING or r.prefill_worker_id != prefill_worker_id
+                    or (req_ids is not None and rid not in req_ids)):
+                continue
+            st = self.consumer.poll(rid)
+            if r.first_token is not None and st is not None and st.state.value == "done":
+                continue  # everything arrived: it joins the decode batch next step
+            dropped.append(rid)
+            await self.abort(rid, error="worker_failed")  # the scheduler ends it in its view
+        return dropped
+
+    def held_requests(self) -> tuple[HeldRequest, ...]:
+        """What this worker holds, for a scheduler that restarted (``WorkerHello``)."""
+        out = []
+        for rid, r in self._reqs.items():
+            lr = self.sched.local.get(rid)
+            stage = {Stage.RECEIVING: HeldStage.RECEIVING, Stage.PREFILLING: HeldStage.PREFILLING,
+                     Stage.DECODING: HeldStage.DECODING, Stage.SWAPPED: HeldStage.SWAPPED}[r.stage]
+            blocks = len(r.block_ids) if r.stage is Stage.RECEIVING or lr is None else lr.num_blocks
+            out.append(HeldRequest(r.spec, stage, blocks, r.kreq.num_output_tokens,
+                                   r.prefill_worker_id, r.kreq.first_token_time or
+                                   r.first_token_time,
+                                   lr.num_prefill_left if lr is not None else 0))
+        return tuple(out)
+
     def status(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
                 "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._reqs),
@@ -358,6 +399,7 @@ class DecodeWorker:
     async def _step(self) -> None:
         now = time.time()
         plan = self.sched.plan(now, self.engine.num_free_blocks)
+        self._plan_was_empty = plan.is_empty
         if plan.is_empty:
             await wait_event(self._wake, 0.01)
             return
@@ -521,7 +563,8 @@ class DecodeWorker:
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), tuple(self._transfers), running,
-                           self.sched.costs.to_tuple(), self.num_steps)
+                           self.sched.costs.to_tuple(), self.num_steps,
+                           is_busy=self.sched.has_work() and not self._plan_was_empty)
         self._events, self._block_events, self._transfers = [], [], []
         return rep
 

@@ -39,6 +39,8 @@ from engine.service import EngineThread, block_events, sampling_params, wait_eve
 from scheduler.messages import (
     BlockEvent,
     GenerationSpec,
+    HeldRequest,
+    HeldStage,
     Prefilled,
     PrefilledBatch,
     ReqEvent,
@@ -91,6 +93,9 @@ class PrefillWorker:
         self._notify_tasks: set[asyncio.Task[None]] = set()
         self._stepping: list[str] = []  # the requests of the step being run
         self.num_steps = 0
+        # The last plan had nothing to run (waiting for room or a transfer): steps are not
+        # due, so a still step count is no stall (WorkerReport.is_busy).
+        self._plan_was_empty = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -131,6 +136,14 @@ class PrefillWorker:
         self.producer.abort(req_id)
         self.producer.forget(req_id)
         await self._thread.call(self.engine.abort, req_id)
+
+    def held_requests(self) -> tuple[HeldRequest, ...]:
+        """The prefills this worker holds, for a scheduler that restarted (``WorkerHello``):
+        their decode workers keep the ones this worker still has."""
+        return tuple(HeldRequest(j.spec, HeldStage.PREFILLING, 0, 0, self.worker_id,
+                                 num_prefill_left=self.sched.local[rid].num_prefill_left
+                                 if rid in self.sched.local else 0)
+                     for rid, j in self._jobs.items())
 
     def status(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
@@ -182,6 +195,7 @@ class PrefillWorker:
     async def _step(self) -> None:
         now = time.time()
         plan = self.sched.plan(now, self.engine.num_free_blocks)
+        self._plan_was_empty = not plan.chunks
         if not plan.chunks:
             await wait_event(self._wake, 0.01)
             return
@@ -267,7 +281,8 @@ class PrefillWorker:
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), (), running,
-                           self.sched.costs.to_tuple(), self.num_steps)
+                           self.sched.costs.to_tuple(), self.num_steps,
+                           is_busy=self.sched.has_work() and not self._plan_was_empty)
         self._events, self._block_events = [], []
         try:
             await self._report_fn(rep)
