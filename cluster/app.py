@@ -266,6 +266,13 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
 # is read when Ray starts, so only a Ray instance started here can have it.
 _THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 _DI_MIN, _DI_MAX = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+# Serve holds a dead replica's port out of use for 150 s, so that HAProxy workers drop
+# their stale route first. Here one replica serves the router's port itself and no HAProxy
+# routes to it: the replacement of a crashed replica must take that same port at once.
+_PORT_QUARANTINE_ENV = "RAY_SERVE_PORT_QUARANTINE_S"
+# Serve drains a direct-ingress replica for at least 30 s before it stops, for a proxy in
+# front to stop routing to it; none is in front here, so Ctrl-C need not wait that long.
+_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def direct_ingress_port() -> int | None:
@@ -295,6 +302,8 @@ def init_ray(address: str | None, *, num_cpus: int | None = None,
         os.environ[_THROUGHPUT_ENV] = "1"
         os.environ[_DI_MIN] = str(direct_ingress_port)
         os.environ[_DI_MAX] = str(direct_ingress_port + 1)
+        os.environ.setdefault(_PORT_QUARANTINE_ENV, "0")
+        os.environ.setdefault(_DRAIN_ENV, "2")
     if address:
         ray.init(address=address, namespace="tierserve", log_to_driver=True)
     else:
