@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve: ready at {cluster.url}/v1 (model {model}, policy "
               f"{cfg.scheduling.policy}); Ctrl-C to stop", flush=True)
         print(f"tierserve: {cfg.access_summary()}", flush=True)
+        gcs = ray.get_runtime_context().gcs_address
+        print(f"tierserve: Ray at {gcs}; a fault drill: tierserve drill --url {cluster.url} "
+              f"--address {gcs}", flush=True)
         while not stop.wait(1.0):
             pass
         print("tierserve: shutting down", flush=True)

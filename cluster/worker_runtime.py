@@ -61,6 +61,7 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
     from engine import EngineConfig, EngineSettingError, LLMEngine
 
     torch.set_num_threads(cfg.pools.torch_threads)
+    _quiet_loading()
     p = cfg.pools
     if cfg.model.path == STUB_MODEL:
         from engine.stub import make_stub_engine
@@ -90,6 +91,17 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
     except EngineSettingError as e:
         name = _ENGINE_SETTINGS.get(e.setting, e.setting)
         raise ConfigError(f"{name}: {e.detail}") from None
+
+
+def _quiet_loading() -> None:
+    """No weight-loading progress bar: a worker loads again after every restart, and the
+    bars would fill the console of ``tierserve serve`` (the load takes about a second)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # an older transformers: its bar stays
+        pass
 
 
 def node_labels() -> dict[str, str]:
