@@ -15,7 +15,8 @@ request as it closes.
    the old one (whose requests were ended with it); a worker this process never saw, after
    this actor itself restarted, has its requests adopted as they are.
 2. WATCH: every second each live worker is pinged. No answer in time, or busy without a
-   step for ``scheduling.worker_stall_timeout_s``: removed and killed, so Ray restarts it.
+   step (or a report) for ``scheduling.worker_stall_timeout_s`` in two rounds in a row:
+   removed and killed, so Ray restarts it.
    Its process restarting (or a new incarnation answering): removed, back when it registers.
    Removed for good (``ray.kill(no_restart=True)``): removed.
 3. SETTLE: once every expected worker has registered (or ``SETTLE_GRACE_S`` after this
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from cluster.config import ClusterConfig
 from cluster.global_scheduler import GlobalScheduler, GoneReason, WorkerGone
 from cluster.messages import pack
-from cluster.supervisor import ProgressWatch
+from cluster.supervisor import ProgressWatch, Verdict
 from cluster.worker_setup import cost_prior, link_costs
 from scheduler.cluster_scheduler import PoolMode
 from scheduler.messages import (
@@ -160,6 +161,7 @@ class SchedulerService:
         self._ready = asyncio.Event()
         self._settled = asyncio.Event()
         self._prefill_jobs: dict[str, set[str]] = {}
+        self._suspects: dict[str, Verdict] = {}  # the watch's verdicts of the last round
         self._health: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -286,8 +288,13 @@ class SchedulerService:
                 log.warning("ping of %s failed: %r", wid, res)
             elif res != inc:
                 self._give_up(wid, inc, "restarted", kill=False)
-        for wid, verdict in self.watch.verdicts(time.monotonic()):
-            self._give_up(wid, self.incarnations.get(wid), verdict.value, kill=True)
+        # A verdict must stand in two rounds in a row: reports queued behind a slow round
+        # of this actor are applied before the second one.
+        verdicts = dict(self.watch.verdicts(time.monotonic()))
+        for wid, verdict in verdicts.items():
+            if self._suspects.get(wid) == verdict:
+                self._give_up(wid, self.incarnations.get(wid), verdict.value, kill=True)
+        self._suspects = verdicts
         self._check_settled()
 
     def _give_up(self, worker_id: str, incarnation: str | None, why: str, *, kill: bool) -> None:

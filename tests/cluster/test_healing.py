@@ -201,6 +201,8 @@ def test_the_watch_removes_restarting_workers_and_kills_hung_ones() -> None:
         assert svc.report(WorkerReport("d2", 60, 64, num_steps=5, is_busy=True,
                                        incarnation="d2-1"))
         await svc._check_workers()  # d2: busy, and no step for longer than the bound
+        assert svc.core.stats()["workers"]["d2"]["alive"]  # judged twice before it goes
+        await svc._check_workers()
         await settle()
         workers = svc.core.stats()["workers"]
         assert [w for w in ("p0", "d0", "d1", "d2") if workers[w]["alive"]] == ["p0"]
