@@ -78,7 +78,7 @@ class DrillLoad:
     # The prefill drill's long prompts (sent once the streams are mid-stream): longer than
     # pools.auto_local_prefill_max_tokens (1,024), so auto mode sends them to the prefill
     # worker while it lives.
-    num_long: int = 2
+    num_long: int = 1
     long_prompt_words: int = 1100
     long_max_tokens: int = 8
     check_identity: bool = False  # greedy references before the fault (deterministic models)
