@@ -31,34 +31,35 @@ one's the time to its error; the end of a long, healthy stream comes when it com
 ``clear_s`` is reported, not judged). :class:`DrillBounds` holds the issue's numbers:
 that 10 s, the service answering again within 30 s, no block leaked.
 
-Traffic goes only to ``url``; the faults go through Ray (``ClusterControl``).
+Traffic goes only to ``url`` (``cluster/drill_traffic.py``); the faults go through Ray
+(``cluster/drill_control.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROBE_INTERVAL_S = 0.5
-PROBE_TIMEOUT_S = 10.0
+from cluster.drill_control import ClusterControl, Fault
+from cluster.drill_traffic import (
+    PROBE_INTERVAL_S,
+    WATCH_S,
+    Endpoint,
+    Probe,
+    Stream,
+    StreamResult,
+    completion_body,
+    drill_prompt,
+    probe_loop,
+)
+
 MID_STREAM_CHUNKS = 4
-WATCH_S = 120.0  # a stream still open this long after the fault counts as unresolved
 HEAL_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 90.0
-
-
-class Fault(enum.Enum):
-    DECODE = "decode"  # kill the decode worker that holds the most streams
-    PREFILL = "prefill"  # kill a prefill worker while it computes prompts
-    SCHEDULER = "scheduler"  # kill the global scheduler
-    ROUTER = "router"  # kill a router (Serve) replica
-    DECODE_HANG = "decode-hang"  # SIGSTOP the busiest decode worker's process (this host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +83,6 @@ class DrillLoad:
     long_prompt_words: int = 1100
     long_max_tokens: int = 8
     check_identity: bool = False  # greedy references before the fault (deterministic models)
-
-
-@dataclass(slots=True)
-class StreamResult:
-    index: int
-    is_long: bool
-    req_id: str = ""  # the server's id (x-tierserve-request-id): `tierserve why` explains it
-    completed: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    text: str = ""
-    num_chunks: int = 0
-    num_chunks_at_fault: int = 0
-    end_s: float | None = None  # seconds after the fault it ended; None: did not end
-    # The longest silence after the fault: to its first token (or end) and between tokens.
-    max_gap_s: float | None = None
-    identical: bool | None = None
-    in_flight: bool = True  # False: it had ended (or been refused) before the fault
 
 
 @dataclass(slots=True)
@@ -153,222 +136,6 @@ class DrillResult:
         return asdict(self)
 
 
-class ClusterControl:
-    """The drill's hands on the cluster, through Ray (the caller has joined it)."""
-
-    def __init__(self, namespace: str = "tierserve", scheduler_name: str = "tierserve-scheduler",
-                 app_name: str = "tierserve", router_deployment: str = "tierserve-router") -> None:
-        self.namespace = namespace
-        self.scheduler_name = scheduler_name
-        self.app_name = app_name
-        self.router_deployment = router_deployment
-
-    def _actor(self, name: str, namespace: str | None = None) -> Any:
-        import ray
-
-        return ray.get_actor(name, namespace=namespace or self.namespace)
-
-    async def incarnation(self, fault: Fault, target: str) -> str:
-        """Which start of the target's process runs now ("" when it does not answer)."""
-        try:
-            if fault is Fault.SCHEDULER:
-                return str((await self.stats()).get("incarnation", ""))
-            if fault is Fault.ROUTER:
-                return target if target in await self.router_replicas() else ""
-            return str((await self.worker_status(target)).get("incarnation", ""))
-        except Exception:  # restarting
-            return ""
-
-    async def is_back(self, fault: Fault, target: str, before: str) -> bool:
-        """A new start of the target runs and serves (registered and alive)."""
-        try:
-            if fault is Fault.ROUTER:
-                replicas = await self.router_replicas()
-                return bool(replicas) and target not in replicas
-            stats = await self.stats()
-            if fault is Fault.SCHEDULER:
-                return bool(stats.get("ready")) and stats.get("incarnation") not in ("", before)
-            status = await self.worker_status(target)
-            alive = bool(stats["workers"].get(target, {}).get("alive"))
-            return alive and bool(status.get("ready")) and status.get("incarnation") != before
-        except Exception:  # restarting
-            return False
-
-    async def stats(self) -> dict[str, Any]:
-        from cluster.messages import unpack
-
-        h = await asyncio.to_thread(self._actor, self.scheduler_name)
-        return unpack(await asyncio.wait_for(h.stats.remote(), 10))
-
-    async def worker_status(self, worker_id: str) -> dict[str, Any]:
-        from cluster.messages import unpack
-
-        h = await asyncio.to_thread(self._actor, worker_id)
-        return unpack(await asyncio.wait_for(h.status.remote(), 10))
-
-    async def kill(self, name: str, *, restart: bool = True, namespace: str | None = None) -> None:
-        import ray
-
-        h = await asyncio.to_thread(self._actor, name, namespace)
-        await asyncio.to_thread(ray.kill, h, no_restart=not restart)
-
-    async def router_replicas(self) -> list[str]:
-        import ray
-
-        prefix = f"SERVE_REPLICA::{self.app_name}#{self.router_deployment}#"
-        named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-        return sorted(a["name"] for a in named
-                      if a["namespace"] == "serve" and a["name"].startswith(prefix))
-
-    async def is_local(self, worker_id: str) -> bool:
-        """The worker runs on this machine (a hang drill signals its process)."""
-        import ray
-
-        status = await self.worker_status(worker_id)
-        infos = await self._infos()
-        node = infos.get(worker_id, {}).get("ray_node_id")
-        return bool(status.get("pid")) and node == ray.get_runtime_context().get_node_id()
-
-    async def _infos(self) -> dict[str, dict[str, Any]]:
-        from cluster.messages import unpack
-
-        h = await asyncio.to_thread(self._actor, self.scheduler_name)
-        return {i["worker_id"]: i for i in unpack(await asyncio.wait_for(
-            h.worker_infos.remote(), 10))}
-
-
-def _prompt(i: int, words: int, nonce: str = "") -> str:
-    """A prompt of about ``words`` tokens; ``nonce`` first, so that no two drills share a
-    cached prefix (a cached prompt would be prefilled where its cache is, not where the
-    drill expects)."""
-    vocab = ("river", "stone", "light", "north", "quiet", "paper", "green", "cloud", "metal",
-             "seven", "bread", "glass", "tiger", "music", "storm", "chair")
-    return f"{nonce}Drill {i}: " + " ".join(vocab[(i * 7 + k * 3) % len(vocab)]
-                                              for k in range(words))
-
-
-class _Http:
-    def __init__(self, url: str, api_key: str | None) -> None:
-        import httpx
-
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.url, headers=headers,
-                                        timeout=httpx.Timeout(60.0, connect=5.0),
-                                        limits=httpx.Limits(max_connections=64))
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-    async def health(self) -> dict[str, Any] | None:
-        try:
-            r = await self.client.get("/health", timeout=5.0)
-            return r.json() if r.status_code == 200 else None
-        except Exception:  # not answering: not healthy
-            return None
-
-    async def model(self) -> str:
-        r = await self.client.get("/v1/models", timeout=10.0)
-        r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
-
-    async def complete(self, body: dict[str, Any], timeout: float) -> tuple[int, str, dict]:
-        r = await self.client.post("/v1/completions", json=body, timeout=timeout)
-        try:
-            data = r.json()
-        except ValueError:
-            data = {}
-        text = data.get("choices", [{}])[0].get("text", "") if r.status_code == 200 else ""
-        return r.status_code, text, dict(r.headers)
-
-    async def metrics(self) -> dict[str, float]:
-        """Sums over label sets of the families the idle check reads; ``retried``: the
-        requests ended with a retryable error so far."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        r = await self.client.get("/metrics", timeout=10.0)
-        if r.status_code != 200:
-            return {}
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(r.text):
-            for s in fam.samples:
-                if s.name in ("tierserve:kv_cache_used_blocks", "tierserve:kv_cache_total_blocks",
-                              "tierserve:num_requests_running", "tierserve:num_requests_waiting",
-                              "tierserve:num_requests_preempted"):
-                    out[s.name] = out.get(s.name, 0.0) + s.value
-                    if s.name == "tierserve:kv_cache_total_blocks":
-                        out["num_workers_reporting"] = out.get("num_workers_reporting", 0) + 1
-                if (s.name == "tierserve:scheduler_decisions_total"
-                        and s.labels.get("decision") in ("worker_failed", "transfer_failed")):
-                    out["retried"] = out.get("retried", 0.0) + s.value
-        return out
-
-
-class _Stream:
-    """One streaming completion, read chunk by chunk."""
-
-    def max_gap_after(self, t0: float) -> float | None:
-        """The longest wait after ``t0`` for the next chunk or the end (None: no end)."""
-        if self.t_end is None or not self.task.done():
-            return None
-        if self.t_end <= t0:
-            return 0.0
-        marks = [t0, *(t for t in self.chunk_times if t > t0), self.t_end]
-        return max(b - a for a, b in zip(marks, marks[1:], strict=False))
-
-    def __init__(self, http: _Http, body: dict[str, Any], result: StreamResult) -> None:
-        self.http, self.body, self.result = http, body, result
-        self.t_end: float | None = None
-        self.chunk_times: list[float] = []  # monotonic arrival of each chunk
-        self.started = asyncio.Event()  # the first chunk came
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        res = self.result
-        parts: list[str] = []
-        try:
-            async with self.http.client.stream("POST", "/v1/completions", json=self.body,
-                                               timeout=WATCH_S + 60) as r:
-                res.req_id = r.headers.get("x-tierserve-request-id", "")
-                if r.status_code != 200:
-                    body = (await r.aread()).decode("utf-8", "replace")
-                    res.error = f"HTTP {r.status_code}: {body[:200]}"
-                    return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        res.error = str(obj["error"].get("message", obj["error"]))[:200]
-                        break
-                    for ch in obj.get("choices", []):
-                        parts.append(ch.get("text") or "")
-                        res.num_chunks += 1
-                        self.chunk_times.append(time.monotonic())
-                        self.started.set()
-                        if ch.get("finish_reason"):
-                            res.finish_reason = ch["finish_reason"]
-            if res.finish_reason is not None and res.error is None:
-                res.completed = True
-            elif res.error is None:
-                res.error = "the stream ended without a finish reason"
-        except Exception as e:  # a broken connection is a clear failure too
-            res.error = f"connection lost ({type(e).__name__})"
-        finally:
-            res.text = "".join(parts)
-            self.t_end = time.monotonic()
-            self.started.set()
-
-
-def _body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "stream": stream}
-    return body
-
-
 async def _wait_for(cond, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -376,38 +143,6 @@ async def _wait_for(cond, timeout_s: float, interval_s: float = 0.2) -> bool:  #
             return True
         await asyncio.sleep(interval_s)
     return bool(await cond())
-
-
-@dataclass(frozen=True, slots=True)
-class _Probe:
-    start_s: float  # after the fault
-    end_s: float
-    status: int  # 0: no answer (connection refused or broken, or PROBE_TIMEOUT_S)
-    retry_after: bool
-
-
-async def _probe(http: _Http, model: str, t0: float, log: list[_Probe]) -> None:
-    start = time.monotonic()
-    try:
-        status, _, headers = await http.complete(_body(model, "probe", 2, False),
-                                                 PROBE_TIMEOUT_S)
-        retry = "retry-after" in {k.lower() for k in headers}
-    except Exception:  # no answer at all
-        status, retry = 0, False
-    log.append(_Probe(start - t0, time.monotonic() - t0, status, retry))
-
-
-async def _probe_loop(http: _Http, model: str, t0: float, stop: asyncio.Event,
-                      log: list[_Probe]) -> None:
-    """Start a short completion every PROBE_INTERVAL_S, whatever the earlier ones do."""
-    tasks = []
-    while not stop.is_set():
-        tasks.append(asyncio.get_running_loop().create_task(_probe(http, model, t0, log)))
-        try:
-            await asyncio.wait_for(stop.wait(), PROBE_INTERVAL_S)
-        except asyncio.TimeoutError:
-            pass
-    await asyncio.gather(*tasks)
 
 
 def _live_counts(health: dict[str, Any] | None) -> dict[str, int]:
@@ -419,14 +154,14 @@ async def run_drill(url: str, fault: Fault, control: ClusterControl, *,
                     api_key: str | None = None) -> DrillResult:
     load = load or DrillLoad()
     bounds = bounds or DrillBounds()
-    http = _Http(url, api_key)
+    http = Endpoint(url, api_key)
     try:
         return (await _run(http, fault, control, load)).judge(bounds)
     finally:
         await http.close()
 
 
-async def _run(http: _Http, fault: Fault, control: ClusterControl, load: DrillLoad
+async def _run(http: Endpoint, fault: Fault, control: ClusterControl, load: DrillLoad
                ) -> DrillResult:
     # 1. BASELINE
     load_avg = round(os.getloadavg()[0], 2)
@@ -435,30 +170,31 @@ async def _run(http: _Http, fault: Fault, control: ClusterControl, load: DrillLo
     baseline = _live_counts(await http.health())
     model = await http.model()
     nonce = f"{os.urandom(3).hex()} "
-    prompts = [(_prompt(i, load.prompt_words, nonce), load.max_tokens, False)
+    prompts = [(drill_prompt(i, load.prompt_words, nonce), load.max_tokens, False)
                for i in range(load.num_streams)]
     if fault is Fault.PREFILL:
-        prompts += [(_prompt(100 + i, load.long_prompt_words, nonce), load.long_max_tokens, True)
-                    for i in range(load.num_long)]
+        prompts += [(drill_prompt(100 + i, load.long_prompt_words, nonce),
+                     load.long_max_tokens, True) for i in range(load.num_long)]
     refs: dict[int, str] = {}
     if load.check_identity:
         for i, (prompt, n, _) in enumerate(prompts):
-            status, text, _ = await http.complete(_body(model, prompt, n, False), 120)
+            status, text, _ = await http.complete(completion_body(model, prompt, n, False), 120)
             if status == 200:
                 refs[i] = text
 
     # 2. LOAD
     results = [StreamResult(i, is_long) for i, (_, _, is_long) in enumerate(prompts)]
     short = [i for i, (_, _, is_long) in enumerate(prompts) if not is_long]
-    streams: dict[int, _Stream] = {}
+    streams: dict[int, Stream] = {}
     for i in short:
-        streams[i] = _Stream(http, _body(model, prompts[i][0], prompts[i][1], True), results[i])
+        streams[i] = Stream(http, completion_body(model, prompts[i][0], prompts[i][1], True),
+                            results[i])
     await _wait_for(lambda: _all_mid_stream(streams), 60, 0.05)
     target = await _pick_target(fault, control)
     if fault is Fault.PREFILL:
         for i, (prompt, n, is_long) in enumerate(prompts):
             if is_long:
-                streams[i] = _Stream(http, _body(model, prompt, n, True), results[i])
+                streams[i] = Stream(http, completion_body(model, prompt, n, True), results[i])
         await _wait_for(lambda: _prefilling(control, target), 30, 0.02)
     for i in streams:
         results[i].num_chunks_at_fault = results[i].num_chunks
@@ -468,9 +204,9 @@ async def _run(http: _Http, fault: Fault, control: ClusterControl, load: DrillLo
     # 3. FAULT
     t0 = time.monotonic()
     stopped_pid = await _inject(fault, control, target)
-    probes: list[_Probe] = []
+    probes: list[Probe] = []
     stop = asyncio.Event()
-    prober = asyncio.get_running_loop().create_task(_probe_loop(http, model, t0, stop, probes))
+    prober = asyncio.get_running_loop().create_task(probe_loop(http, model, t0, stop, probes))
     try:
         # 4. WATCH
         await asyncio.wait([s.task for s in streams.values()], timeout=WATCH_S)
@@ -521,11 +257,11 @@ async def _run(http: _Http, fault: Fault, control: ClusterControl, load: DrillLo
     return res
 
 
-async def _healthy(http: _Http) -> bool:
+async def _healthy(http: Endpoint) -> bool:
     return await http.health() is not None
 
 
-async def _healed(http: _Http, control: ClusterControl, fault: Fault, target: str,
+async def _healed(http: Endpoint, control: ClusterControl, fault: Fault, target: str,
                   before: str, baseline: dict[str, int]) -> bool:
     if not await control.is_back(fault, target, before):
         return False
@@ -533,7 +269,7 @@ async def _healed(http: _Http, control: ClusterControl, fault: Fault, target: st
     return h is not None and all(_live_counts(h).get(k, 0) >= n for k, n in baseline.items())
 
 
-async def _all_mid_stream(streams: dict[int, _Stream]) -> bool:
+async def _all_mid_stream(streams: dict[int, Stream]) -> bool:
     return all(s.result.num_chunks >= MID_STREAM_CHUNKS or s.task.done()
                for s in streams.values())
 
@@ -587,7 +323,7 @@ def _resume(pid: int) -> None:
         pass  # killed and restarted, as it should be
 
 
-def _judge_probes(res: DrillResult, probes: list[_Probe]) -> None:
+def _judge_probes(res: DrillResult, probes: list[Probe]) -> None:
     """Recovery: when the first probe that started after the last failed one answered
     (0 when no probe failed)."""
     res.num_probes = len(probes)
@@ -603,7 +339,7 @@ def _judge_probes(res: DrillResult, probes: list[_Probe]) -> None:
     res.recovery_s = round(min(after), 3) if after else None
 
 
-async def _wait_idle(http: _Http, baseline: dict[str, int]) -> tuple[float | None, int | None]:
+async def _wait_idle(http: Endpoint, baseline: dict[str, int]) -> tuple[float | None, int | None]:
     """When every worker reports no block in use and no request runs (twice in a row),
     and the blocks still in use at the end of the wait."""
     n_workers = sum(baseline.values())

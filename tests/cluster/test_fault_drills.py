@@ -76,7 +76,9 @@ def cluster(tiny_path: Path) -> Iterator[object]:
 def drill(cluster: object, fault: str, **load: object):  # -> DrillResult
     from cluster.drill import ClusterControl, DrillBounds, DrillLoad, Fault, run_drill
 
-    args = {"num_streams": 4, "max_tokens": 40, "prompt_words": 6, "num_long": 3,
+    # Long enough streams that the fault finds them mid-stream: the tiny model decodes a
+    # token in milliseconds, and a kill takes effect a moment after it is asked for.
+    args = {"num_streams": 4, "max_tokens": 400, "prompt_words": 6, "num_long": 2,
             "long_prompt_words": 80, "long_max_tokens": 6, "check_identity": True} | load
     return asyncio.run(run_drill(
         cluster.url, Fault(fault), ClusterControl(cluster.handles.namespace,
