@@ -34,14 +34,18 @@ Public API (stable; other packages call only these names)::
                        *, prefill_only=False) -> None
         # raises PromptTooLong (nothing allocated) / ValueError (bad params, duplicate id)
     engine.step() -> list[StepOutput]
-    StepOutput(req_id, new_token_ids, logprobs, finished, finish_reason: FinishReason | None,
+    StepOutput(req_id, seq, new_token_ids, logprobs: list[TokenLogprobs], finished,
+               request_finished, finish_reason: FinishReason | None,
                stop_reason: int | str | None, prefill_done: bool, num_computed_tokens: int,
-               ready_block_ids: list[int])
+               ready_block_ids: list[int], prompt_logprobs, num_cached_tokens, error)
+        # One per sequence that advanced (``seq``: which of the request's n); ``finished``:
+        # that sequence ended, ``request_finished``: the request did and left the engine.
         # FinishReason is a str enum: FinishReason.STOP == "stop", FinishReason.LENGTH == "length".
         # ready_block_ids: blocks whose KV became final in this step (full blocks, plus the
         # last partial prompt block when the prompt's prefill completes); in block-table order.
         # After a swap-in or a recompute the content sits in new blocks and is reported again.
     engine.generate(prompts: list[list[int]], params) -> list[list[int]]   # convenience loop
+    engine.generate_n(prompts, params_list) -> list[list[list[int]]]  # every sequence
 
     # Prefill side of disaggregation: a prefill_only request prefills, samples its first token
     # (StepOutput.prefill_done=True, new_token_ids=[first]; finished=True too when that token
@@ -54,12 +58,17 @@ Public API (stable; other packages call only these names)::
         # and come first in the list; engine.num_reserved_cached_blocks(req_id) says how many
         # (those need no transfer). The reservation holds blocks until add_prefilled_request
         # or release(req_id).
-    engine.add_prefilled_request(req_id, prompt_token_ids, first_token_id, params,
-                                 block_ids) -> None   # block_ids = the reserved list, KV written
+    engine.add_prefilled_request(req_id, prompt_token_ids, first_token_id | first_token_ids,
+                                 params, block_ids) -> None
+        # block_ids = the reserved list, KV written; one first token per sequence (n > 1:
+        # the sequences fork there and share the blocks, copy-on-write)
     engine.abort(req_id) -> None                       # any state; frees its blocks
     engine.swap_out(req_id) -> bool    # running request's KV to host memory (pinned on CUDA)
     engine.swap_in(req_id) -> bool     # False when the pool has no room (nothing changes)
     engine.preempt_recompute(req_id) -> bool   # frees blocks; re-prefills prompt+output later
+    engine.can_recompute(req_id) -> bool       # False once its sequences forked: swap it
+    engine.num_live_sequences(req_id) -> int
+    engine.block_ids(req_id)                   # a group's shared blocks counted once
     engine.num_free_blocks, engine.num_total_blocks, engine.has_unfinished()
     engine.num_running, engine.num_waiting, engine.request_state(req_id) -> ReqState | None
     engine.num_prefix_hit_tokens, engine.num_preemptions     # cumulative counters
@@ -68,8 +77,13 @@ Public API (stable; other packages call only these names)::
     engine.drain_events() -> list[BlockStored | BlockRemoved]   # same as engine.pool's
 
     SamplingParams(max_tokens=16, temperature=0.0 (greedy), top_p=1.0, top_k=0 (off),
-                   seed=None, stop_token_ids=(), stop=() (strings), ignore_eos=False,
-                   logprobs=False) # True: log-softmax of the raw logits at each chosen token
+                   min_p=0.0, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+                   repetition_penalty=1.0, stop_token_ids=(), stop=() (strings),
+                   ignore_eos=False, min_tokens=0, logit_bias=((id, bias), ...),
+                   allowed_token_ids=(), logprobs=None (k: top k), prompt_logprobs=None,
+                   n=1, grammar: engine.grammar.Grammar | None = None)
+        # vLLM's meanings (engine/sampling.py); neutral values take the greedy fast path
+        # (engine/sampler.py); logprobs are of the model's raw logits.
 
     # Store interface used by kvtransfer (structural):
     pool.kv_layout() -> KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device,

@@ -247,6 +247,17 @@ class BlockPool:
         else:
             self._kv.index_copy_(2, index, data.permute(1, 2, 0, 3, 4, 5))
 
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy every layer's K and V of each ``src_ids[i]`` into ``dst_ids[i]`` on the
+        device (copy-on-write of a block that sequences share)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError("copy_blocks: as many sources as destinations")
+        src, dst = self._index(src_ids), self._index(dst_ids)
+        if self.block_major:
+            self._kv.index_copy_(0, dst, self._kv.index_select(0, src))
+        else:
+            self._kv.index_copy_(2, dst, self._kv.index_select(2, src))
+
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         n = self._layout.num_blocks
         for b in block_ids:

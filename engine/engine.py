@@ -18,8 +18,9 @@ swap_in, preempt_recompute, release, abort) are documented in the package docstr
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,13 +28,34 @@ import torch
 from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
 from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
 from engine.errors import EngineSettingError, PromptTooLong
+from engine.grammar import GrammarCompiler, Matcher
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
 from engine.requests import EngineRequest, ReqState
 from engine.runner import ModelRunner, SeqWork
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
+from engine.sampling import SamplingParams, random_seed
 
 Scheduled = tuple[EngineRequest, SeqWork]
+
+
+@dataclass(slots=True)
+class _Draw:
+    """One sequence's sampled token: ``seq`` of the scheduled request (a fork to be made
+    when ``seq`` is past its sequences), with the matcher it will carry."""
+
+    seq: int
+    token_id: int
+    logprobs: TokenLogprobs | None
+    matcher: Matcher | None
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """What the fallible half of a step produced, by index into the scheduled list."""
+
+    draws: dict[int, list[_Draw]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -96,6 +118,9 @@ class LLMEngine:
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._pending: list[StepOutput] = []
+        # Groups the engine's own scheduler swapped out (a forked group is never recomputed).
+        self._self_swapped: deque[EngineRequest] = deque()
+        self._grammars: GrammarCompiler | None = None  # built on the first grammar request
         # Cumulative counters (observability; tests and benchmarks read them).
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
@@ -120,13 +145,27 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Work left for step(): waiting or running requests, or outputs not yet returned."""
-        return bool(self._waiting or self._running or self._pending)
+        return bool(self._waiting or self._running or self._pending or self._self_swapped)
 
     def drain_events(self) -> list[BlockEvent]:
         return self.pool.drain_events()
 
     def block_ids(self, req_id: str) -> list[int]:
-        return list(self._get(req_id).block_ids)
+        """The request's blocks; for a group of sequences, each shared block once."""
+        req = self._get(req_id)
+        if not req.forks:
+            return list(req.block_ids)
+        return list(dict.fromkeys(b for seq in req.sequences for b in seq.block_ids))
+
+    def num_live_sequences(self, req_id: str) -> int:
+        req = self._requests.get(req_id)
+        return 0 if req is None else len(req.live_sequences)
+
+    def can_recompute(self, req_id: str) -> bool:
+        """False for a request whose sequences forked: it is preempted by swapping (its
+        sequences share blocks that a recompute could not share again), as vLLM v0 did."""
+        req = self._requests.get(req_id)
+        return req is not None and not req.forks
 
     def num_reserved_cached_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_reserved_cached
@@ -167,15 +206,32 @@ class LLMEngine:
         vocab = int(self.model.config.vocab_size)
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        outside = params.token_ids_out_of(vocab)
+        if outside:
+            raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab})")
         self._check_length(len(tokens))
         return EngineRequest(
             req_id=req_id,
             token_ids=tokens,
             num_prompt_tokens=len(tokens),
             params=params,
-            generator=make_generator(params, self.pool.kv_layout().device),
+            generator=None,
             prefill_only=prefill_only,
+            seed=params.seed if params.seed is not None else random_seed(),
+            matcher=None if params.grammar is None else self.grammar_matcher(params),
         )
+
+    def grammar_matcher(self, params: SamplingParams) -> Matcher:
+        """A fresh matcher of ``params.grammar`` (ValueError: the grammar is invalid, or
+        this engine has no tokenizer to build one)."""
+        if params.grammar is None:
+            raise ValueError("no grammar")
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size),
+                                             self._eos_token_ids)
+        return self._grammars.matcher(params.grammar)
 
     def _check_length(self, num_tokens: int) -> None:
         if num_tokens >= self.max_model_len:
@@ -205,12 +261,13 @@ class LLMEngine:
         refused: list[str] = []
         for rid in decode_ids:
             req = self._requests.get(rid)
-            if (req is None or req.state is not ReqState.RUNNING
-                    or len(req.token_ids) - req.num_computed != 1
-                    or not self._grow_no_preempt(req, req.num_computed + 1)):
+            seqs = [] if req is None else req.live_sequences
+            if (req is None or req.state is not ReqState.RUNNING or not seqs
+                    or any(len(q.token_ids) - q.num_computed != 1 for q in seqs)
+                    or not all(self._grow_no_preempt(q, q.num_computed + 1) for q in seqs)):
                 refused.append(rid)
                 continue
-            decodes.append((req, self._work(req, 1)))
+            decodes.extend((q, self._work(q, 1)) for q in seqs)
         for rid, n in chunks:
             req = self._requests.get(rid)
             if req is None or n <= 0:
@@ -244,6 +301,10 @@ class LLMEngine:
         return True
 
     def _grow_no_preempt(self, req: EngineRequest, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` of ``req`` (one sequence), the block it writes next
+        copied first if other sequences share it; False when the pool has no room."""
+        if not self._copy_on_write(req):
+            return False
         bs = self.pool.block_size
         needed = (num_tokens + bs - 1) // bs - len(req.block_ids)
         if needed <= 0:
@@ -252,6 +313,24 @@ class LLMEngine:
         if new is None:
             return False
         req.block_ids.extend(new)
+        return True
+
+    def _copy_on_write(self, seq: EngineRequest) -> bool:
+        """Give ``seq`` its own copy of the block its next token lands in when that block is
+        shared (the prompt's last partial block after a fork); False: no block for it."""
+        bs = self.pool.block_size
+        index = seq.num_computed // bs
+        if index >= len(seq.block_ids):
+            return True
+        shared = seq.block_ids[index]
+        if self.pool.ref_count(shared) <= 1:
+            return True
+        new = self.pool.allocate(1)
+        if new is None:
+            return False
+        self.pool.copy_blocks([shared], new)
+        self.pool.free([shared])
+        seq.block_ids[index] = new[0]
         return True
 
     def num_computed_tokens(self, req_id: str) -> int:
@@ -265,82 +344,154 @@ class LLMEngine:
         if not decodes and not chunks:
             return outputs
         try:
-            token_ids, logprobs = self._forward_and_sample(decodes, chunks)
+            sampled = self._forward_and_sample(decodes, chunks)
         except Exception as exc:  # one request's fault must not stop the rest
-            if len(decodes) + len(chunks) == 1:
-                (req, _), = decodes + chunks
-                return outputs + [self._fail(req, exc)]
+            if len({id(self._group(req)) for req, _ in decodes + chunks}) == 1:
+                return outputs + [self._fail(decodes[0][0] if decodes else chunks[0][0], exc)]
             return outputs + self._run_one_by_one(decodes, chunks)
-        return outputs + self._commit(decodes + chunks, token_ids, logprobs)
+        return outputs + self._commit(decodes + chunks, sampled)
+
+    def _group(self, seq: EngineRequest) -> EngineRequest:
+        """The request a sequence belongs to (itself unless it is a fork)."""
+        return self._requests.get(seq.req_id, seq) if seq.seq_index else seq
 
     def _forward_and_sample(self, decodes: list[Scheduled], chunks: list[Scheduled]
-                            ) -> tuple[list[int], list[float]]:
+                            ) -> _Sampled:
         """The fallible half of a step: nothing in the engine's books changes here (a
         forward only writes the KV of positions not yet counted as computed)."""
         logits = self.runner.execute([w for _, w in decodes], [w for _, w in chunks])
-        sampled = [req for req, w in decodes + chunks if w.sample]
-        if not sampled:
-            return [], []
+        out = _Sampled()
+        rows: list[SampleRow] = []
+        where: list[tuple[int, int, Matcher | None]] = []
+        logit_rows: list[int] = []
+        offset = 0
+        for k, (req, work) in enumerate(decodes + chunks):
+            num_rows = len(work.token_ids) if work.all_logits else int(work.sample)
+            if work.all_logits:
+                start = work.start_pos
+                valid = min(len(work.token_ids), req.num_prompt_tokens - 1 - start)
+                if valid > 0:
+                    out.prompt_logprobs[k] = prompt_logprobs(
+                        logits[offset : offset + valid],
+                        req.token_ids[start + 1 : start + 1 + valid],
+                        req.params.prompt_logprobs or 0)
+            if work.sample:
+                p = req.params
+                prompt = req.token_ids[: req.num_prompt_tokens] if p.has_penalties else ()
+                output = req.output_token_ids if p.has_penalties else ()
+                for seq, matcher in self._drawers(req):
+                    rows.append(SampleRow(p, req.seed, seq, req.num_output_tokens, prompt,
+                                          output, matcher))
+                    where.append((k, seq, matcher))
+                    logit_rows.append(offset + num_rows - 1)
+            offset += num_rows
+        if not rows:
+            return out
+        if logit_rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
         kernels = self.runner.kernels
-        return sample(logits, [r.params for r in sampled], [r.generator for r in sampled],
-                      argmax=None if kernels is None else kernels.argmax)
+        tokens, lps = sample(logits, rows, stop_ids=self._eos_token_ids,
+                             argmax=None if kernels is None else kernels.argmax)
+        for (k, seq, matcher), token, lp in zip(where, tokens, lps, strict=True):
+            out.draws.setdefault(k, []).append(_Draw(seq, token, lp, matcher))
+        return out
+
+    @staticmethod
+    def _drawers(req: EngineRequest) -> list[tuple[int, Matcher | None]]:
+        """(sequence index, matcher) of each sequence that draws from ``req``'s logits row:
+        all ``n`` when its prompt's first tokens are sampled (the sequences fork then),
+        else ``req`` alone."""
+        if req.params.n > 1 and not req.forks and req.num_output_tokens == 0:
+            m = req.matcher
+            return [(0, m)] + [(i, None if m is None else m.copy())
+                               for i in range(1, req.params.n)]
+        return [(req.seq_index, req.matcher)]
 
     def _run_one_by_one(self, decodes: list[Scheduled], chunks: list[Scheduled]
                         ) -> list[StepOutput]:
+        """Rerun a failed step a request at a time (the sequences of one request together)."""
         outputs: list[StepOutput] = []
-        for item, is_decode in [(d, True) for d in decodes] + [(c, False) for c in chunks]:
-            one = [item]
+        groups: dict[int, tuple[list[Scheduled], list[Scheduled]]] = {}
+        for item in decodes:
+            groups.setdefault(id(self._group(item[0])), ([], []))[0].append(item)
+        for item in chunks:
+            groups.setdefault(id(self._group(item[0])), ([], []))[1].append(item)
+        for ds, cs in groups.values():
             try:
-                token_ids, logprobs = self._forward_and_sample(one if is_decode else [],
-                                                               [] if is_decode else one)
+                sampled = self._forward_and_sample(ds, cs)
             except Exception as exc:  # this request is the one that fails
-                outputs.append(self._fail(item[0], exc))
+                outputs.append(self._fail((ds or cs)[0][0], exc))
                 continue
-            outputs += self._commit(one, token_ids, logprobs)
+            outputs += self._commit(ds + cs, sampled)
         return outputs
 
-    def _fail(self, req: EngineRequest, exc: BaseException) -> StepOutput:
-        """End ``req`` because its step failed: out of the engine, blocks freed."""
+    def _fail(self, seq: EngineRequest, exc: BaseException) -> StepOutput:
+        """End ``seq``'s request because its step failed: out of the engine, blocks freed."""
+        req = self._group(seq)
         if req in self._running:
             self._running.remove(req)
         self._forget(req)
         detail = str(exc).splitlines()[0][:200] if str(exc) else ""
-        return StepOutput(req_id=req.req_id, finished=True,
+        return StepOutput(req_id=req.req_id, finished=True, request_finished=True,
                           error=f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)
 
-    def _commit(self, scheduled: list[Scheduled], token_ids: list[int],
-                logprobs: list[float]) -> list[StepOutput]:
+    def _commit(self, scheduled: list[Scheduled], sampled: _Sampled) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        sample_index = 0
-        for req, work in scheduled:
-            req.num_computed += len(work.token_ids)
-            out = StepOutput(req_id=req.req_id)
-            if work.sample:
-                token = token_ids[sample_index]
-                logprob = logprobs[sample_index] if logprobs else None
-                sample_index += 1
-                self._append_token(req, token, logprob, out)
-            self._publish_blocks(req)
-            out.num_computed_tokens = req.num_computed
-            out.ready_block_ids = self._ready_blocks(req, out.prefill_done)
-            if out.finished or (req.prefill_only and out.prefill_done):
+        for k, (seq, work) in enumerate(scheduled):
+            seq.num_computed += len(work.token_ids)
+            req = self._group(seq)
+            if k in sampled.prompt_logprobs:
+                req.prompt_logprobs.extend(sampled.prompt_logprobs[k])
+            draws = sampled.draws.get(k, [])
+            if len(draws) > 1:
+                for d in draws[1:]:  # the prompt's first tokens: the sequences fork here
+                    child = seq.fork(d.seq, d.matcher)
+                    self.pool.acquire(child.block_ids)
+                    req.forks.append(child)
+            outs = []
+            for d in draws or [None]:
+                target = seq if d is None or d.seq == seq.seq_index else req.forks[d.seq - 1]
+                out = StepOutput(req_id=seq.req_id, seq=target.seq_index)
+                if d is not None:
+                    self._append_token(target, d.token_id, d.logprobs, out)
+                self._publish_blocks(target)
+                out.num_computed_tokens = target.num_computed
+                outs.append(out)
+            head = outs[0]
+            if head.seq == 0:
+                head.ready_block_ids = self._ready_blocks(req, head.prefill_done)
+                if head.prefill_done:
+                    head.num_cached_tokens = req.num_cached_tokens
+                    if req.params.prompt_logprobs is not None:
+                        head.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+            for out in outs:
+                target = req if out.seq == 0 else req.forks[out.seq - 1]
+                if out.finished and not req.prefill_only:
+                    target.finished = True
+                    if target.block_ids:
+                        self.pool.free(target.block_ids)
+                        target.block_ids = []
+            if req.prefill_only and head.prefill_done:
                 self._running.remove(req)
-                if req.prefill_only:
-                    req.state = ReqState.PREFILLED  # blocks kept until release()
-                else:
-                    self._forget(req)
-            outputs.append(out)
+                req.state = ReqState.PREFILLED  # blocks kept until release()
+                for out in outs:
+                    out.request_finished = all(o.finished for o in outs)
+            elif all(s.finished for s in req.sequences):
+                self._running.remove(req)
+                self._forget(req)
+                outs[-1].request_finished = True
+            outputs += outs
         return outputs
 
     def _append_token(
-        self, req: EngineRequest, token: int, logprob: float | None, out: StepOutput
+        self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None, out: StepOutput
     ) -> None:
         if req.num_output_tokens == 0:
             out.prefill_done = True
         req.token_ids.append(token)
         out.new_token_ids.append(token)
-        if req.params.logprobs and logprob is not None:
-            out.logprobs.append(logprob)
+        if logprobs is not None:
+            out.logprobs.append(logprobs)
         reason, stop_reason = self._finish_reason(req, token)
         if reason is not None:
             out.finished = True
@@ -350,16 +501,24 @@ class LLMEngine:
     def _finish_reason(
         self, req: EngineRequest, token: int
     ) -> tuple[FinishReason | None, int | str | None]:
+        """Why ``req`` (one sequence) ends with ``token`` appended (None: it goes on). Its
+        grammar, if any, consumes the token here."""
         params = req.params
-        if not params.ignore_eos and token in self._eos_token_ids:
-            return FinishReason.STOP, token
-        if token in params.stop_token_ids:
-            return FinishReason.STOP, token
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            for s in params.stop:
-                if s in text:
-                    return FinishReason.STOP, s
+        grammar_done = False
+        if req.matcher is not None:
+            grammar_done = not req.matcher.accept(token) or req.matcher.is_finished
+        if req.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in self._eos_token_ids:
+                return FinishReason.STOP, token
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+            if params.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+                for s in params.stop:
+                    if s in text:
+                        return FinishReason.STOP, s
+        if grammar_done:
+            return FinishReason.STOP, None
         if req.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH, None
         if len(req.token_ids) >= self.max_model_len:
@@ -393,12 +552,23 @@ class LLMEngine:
         budget = cfg.max_num_batched_tokens
         decodes: list[Scheduled] = []
         chunks: list[Scheduled] = []
+        while self._self_swapped and self.swap_in(self._self_swapped[0].req_id):
+            self._self_swapped.popleft()
         index = 0
         while index < len(self._running) and budget > 0:
             req = self._running[index]
+            if req.forks:  # a group of sequences: one decode each
+                seqs = req.live_sequences
+                if len(seqs) > budget or not self._grow_blocks(
+                        req, [(q, q.num_computed + 1) for q in seqs], index):
+                    break
+                decodes.extend((q, self._work(q, 1)) for q in seqs)
+                budget -= len(seqs)
+                index += 1
+                continue
             remaining = len(req.token_ids) - req.num_computed
             n = min(remaining, cfg.prefill_chunk_size, budget)
-            if not self._grow_blocks(req, req.num_computed + n, index):
+            if not self._grow_blocks(req, [(req, req.num_computed + n)], index):
                 break  # req itself was preempted; everyone after it too
             work = self._work(req, n)
             (decodes if n == 1 else chunks).append((req, work))
@@ -424,25 +594,21 @@ class LLMEngine:
             start_pos=start,
             block_ids=req.block_ids,
             sample=start + n == len(req.token_ids),
+            all_logits=(req.params.prompt_logprobs is not None and req.num_output_tokens == 0
+                        and start + 1 < req.num_prompt_tokens),
         )
 
-    def _grow_blocks(self, req: EngineRequest, num_tokens: int, index: int) -> bool:
-        """Give ``req`` blocks for ``num_tokens``; preempt later running requests if needed.
+    def _grow_blocks(self, req: EngineRequest, wants: list[tuple[EngineRequest, int]],
+                     index: int) -> bool:
+        """Give each sequence of ``wants`` blocks for its token count (copy-on-write
+        included); preempt later running requests if needed.
 
         Returns False when ``req`` itself had to be preempted.
         """
-        bs = self.pool.block_size
-        needed = (num_tokens + bs - 1) // bs - len(req.block_ids)
-        while needed > 0:
-            new = self.pool.allocate(needed)
-            if new is not None:
-                req.block_ids.extend(new)
-                return True
+        while not all(self._grow_no_preempt(q, n) for q, n in wants):
             victim = self._running[-1]
             self._preempt(victim)
-            if victim is req:
-                return False
-            if len(self._running) <= index:
+            if victim is req or len(self._running) <= index:
                 return False
         return True
 
@@ -452,6 +618,8 @@ class LLMEngine:
         num_tokens = len(req.token_ids)
         hashes = req.full_block_hashes(bs, num_tokens)
         hits = self.pool.lookup_prefix(hashes)
+        if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+            hits = []  # every prompt position's logits are wanted: compute them all
         if len(hits) * bs >= num_tokens:
             hits = hits[:-1]  # compute at least the last token (its logits are sampled)
         needed = (num_tokens + bs - 1) // bs - len(hits)
@@ -465,10 +633,18 @@ class LLMEngine:
         req.num_computed = len(hits) * bs
         req.num_published_blocks = len(hits)
         self.num_prefix_hit_tokens += req.num_computed
+        if req.num_output_tokens == 0:
+            req.num_cached_tokens = req.num_computed
         return True
 
     def _preempt(self, req: EngineRequest) -> None:
-        """Recompute-preempt a running request: free its blocks, requeue it at the front."""
+        """Recompute-preempt a running request: free its blocks, requeue it at the front.
+        A request whose sequences forked is swapped out instead (back when room frees)."""
+        if req.forks:
+            self.swap_out(req.req_id)
+            self._self_swapped.append(req)
+            self.num_preemptions += 1
+            return
         self._running.remove(req)
         self.pool.free(req.block_ids)
         req.reset_for_recompute()
@@ -484,10 +660,12 @@ class LLMEngine:
         return req
 
     def _forget(self, req: EngineRequest) -> None:
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-        req.block_ids = []
+        for seq in req.sequences:
+            if seq.block_ids:
+                self.pool.free(seq.block_ids)
+            seq.block_ids = []
         req.host_kv = None
+        req.host_tables = None
         self._requests.pop(req.req_id, None)
 
     def abort(self, req_id: str) -> None:
@@ -499,6 +677,8 @@ class LLMEngine:
             self._running.remove(req)
         elif req.state is ReqState.WAITING:
             self._waiting.remove(req)
+        if req in self._self_swapped:
+            self._self_swapped.remove(req)
         self._pending = [o for o in self._pending if o.req_id != req_id]
         self._forget(req)
 
@@ -550,11 +730,19 @@ class LLMEngine:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
-        first_token_id: int,
+        first_token_id: int | Sequence[int],
         params: SamplingParams,
         block_ids: Sequence[int],
     ) -> None:
-        """Continue decoding a request whose prompt KV was written into its reserved blocks."""
+        """Continue decoding a request whose prompt KV was written into its reserved blocks.
+
+        ``first_token_id``: the first token, or the first token of each of its ``n``
+        sequences (they fork here, sharing the blocks). A sequence its first token ends
+        gives a finished output at the next step; so does the request when all do."""
+        firsts = ([int(first_token_id)] if isinstance(first_token_id, int)
+                  else [int(t) for t in first_token_id])
+        if not 1 <= len(firsts) <= params.n:
+            raise ValueError(f"{len(firsts)} first tokens for a request of n={params.n}")
         reservation = self._requests.get(req_id)
         if reservation is None or reservation.state is not ReqState.RESERVED:
             raise ValueError(f"request {req_id!r} has no reservation (call reserve first)")
@@ -578,12 +766,26 @@ class LLMEngine:
         req.state = ReqState.RUNNING
         self._requests[req_id] = req
         self._publish_blocks(req)
-        out = StepOutput(req_id=req_id, num_computed_tokens=req.num_computed)
-        req.token_ids.append(int(first_token_id))
-        reason, stop_reason = self._finish_reason(req, int(first_token_id))
-        if reason is not None:
-            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
-            self._pending.append(out)
+        for i in range(1, len(firsts)):
+            child = req.fork(i, None if req.matcher is None else req.matcher.copy())
+            self.pool.acquire(child.block_ids)
+            req.forks.append(child)
+        ended: list[StepOutput] = []
+        for seq, token in zip(req.sequences, firsts, strict=True):
+            seq.token_ids.append(token)
+            reason, stop_reason = self._finish_reason(seq, token)
+            if reason is None:
+                continue
+            ended.append(StepOutput(req_id=req_id, seq=seq.seq_index, finished=True,
+                                    finish_reason=reason, stop_reason=stop_reason,
+                                    num_computed_tokens=req.num_computed))
+            seq.finished = True
+            if seq.forks or seq.seq_index or len(firsts) > 1:
+                self.pool.free(seq.block_ids)
+                seq.block_ids = []
+        self._pending += ended
+        if all(seq.finished for seq in req.sequences):
+            ended[-1].request_finished = True
             self._forget(req)
             return
         self._running.append(req)
@@ -596,15 +798,21 @@ class LLMEngine:
         if req is None or req.state is not ReqState.RUNNING:
             return False
         bs = self.pool.block_size
-        num_used = (req.num_computed + bs - 1) // bs
-        data = self.pool.read_blocks(req.block_ids[:num_used])
+        used = [q.block_ids[: (q.num_computed + bs - 1) // bs] for q in req.live_sequences]
+        distinct = list(dict.fromkeys(b for table in used for b in table))
+        data = self.pool.read_blocks(distinct)
         pin = data.device.type == "cuda"
         host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=pin)
         host.copy_(data)
         self._running.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        for seq in req.sequences:
+            if seq.block_ids:
+                self.pool.free(seq.block_ids)
+            seq.block_ids = []
         req.host_kv = host
+        if req.forks:  # shared blocks travel once; each sequence keeps its table
+            row = {b: i for i, b in enumerate(distinct)}
+            req.host_tables = [[row[b] for b in table] for table in used]
         req.state = ReqState.SWAPPED
         return True
 
@@ -617,11 +825,19 @@ class LLMEngine:
         if new is None:
             return False
         self.pool.write_blocks(new, req.host_kv)
-        req.block_ids = new
+        tables = req.host_tables or [list(range(len(new)))]
+        for seq, table in zip(req.live_sequences, tables, strict=True):
+            seq.block_ids = [new[i] for i in table]
+        # allocate gave each block one reference; a block in k tables needs k
+        for i, count in Counter(i for table in tables for i in table).items():
+            if count > 1:
+                self.pool.acquire([new[i]] * (count - 1))
         req.host_kv = None
-        req.num_published_blocks = 0
-        req.num_ready_reported = 0  # the content moved: report it under the new ids
-        self._publish_blocks(req)
+        req.host_tables = None
+        for seq in req.live_sequences:
+            seq.num_published_blocks = 0
+            seq.num_ready_reported = 0  # the content moved: report it under the new ids
+            self._publish_blocks(seq)
         req.state = ReqState.RUNNING
         self._running.append(req)
         return True
@@ -629,7 +845,7 @@ class LLMEngine:
     def preempt_recompute(self, req_id: str) -> bool:
         """Drop a running or swapped request's KV; it is recomputed (prompt + output) later."""
         req = self._requests.get(req_id)
-        if req is None:
+        if req is None or req.forks:  # a forked group is swapped, never recomputed
             return False
         if req.state is ReqState.RUNNING:
             self._preempt(req)
@@ -649,17 +865,23 @@ class LLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        results: dict[str, list[int]] = {}
+        return [seqs[0] for seqs in self.generate_n(prompts, per_prompt)]
+
+    def generate_n(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+                   ) -> list[list[list[int]]]:
+        """Run prompts to completion; per prompt, the output token ids of each of its
+        ``n`` sequences."""
+        results: dict[str, list[list[int]]] = {}
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
-        for req_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+        for req_id, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(req_id, prompt, p)
-            results[req_id] = []
+            results[req_id] = [[] for _ in range(p.n)]
         remaining = set(ids)
         while remaining:
             for out in self.step():
                 if out.req_id in results:
-                    results[out.req_id].extend(out.new_token_ids)
-                    if out.finished:
+                    results[out.req_id][out.seq].extend(out.new_token_ids)
+                    if out.request_finished:
                         remaining.discard(out.req_id)
         return [results[i] for i in ids]
 

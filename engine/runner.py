@@ -45,6 +45,8 @@ class SeqWork:
     start_pos: int
     block_ids: Sequence[int]  # the request's block table, covering start_pos + len(token_ids)
     sample: bool  # return the logits of the last token
+    # return the logits of every token (a prompt's log-probabilities); implies its last row
+    all_logits: bool = False
 
 
 class ModelRunner:
@@ -100,8 +102,8 @@ class ModelRunner:
     def execute(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]) -> torch.Tensor:
         """Forward ``decodes`` (one token each) then ``chunks``.
 
-        Returns the logits [num_sampled, vocab] of the works with ``sample`` set, in the order
-        given (decodes first, then chunks).
+        Returns logits rows in the order given (decodes first, then chunks): every row of a
+        work with ``all_logits``, else the last row of a work with ``sample``.
         """
         if self.attention.kernel is not None:
             self.attention.kernel.num_threads = torch.get_num_threads()
@@ -177,7 +179,8 @@ class ModelRunner:
             meta.row_seq = torch.tensor(row_seq, dtype=torch.int32)
             meta.row_pos = positions[0].to(torch.int32)
         sample_rows = [row for row, w in enumerate(decodes) if w.sample]
-        sample_rows.extend(chunk_end[i] - 1 for i, w in enumerate(chunks) if w.sample)
+        for i, w in enumerate(chunks):
+            sample_rows.extend(_logit_rows(w, chunk_end[i]))
         return meta, input_ids, torch.cat(positions), sample_rows
 
     def _flex_step(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]):
@@ -216,8 +219,7 @@ class ModelRunner:
                 tables.append(list(w.block_ids[: (first + n + bs - 1) // bs]))
                 q_rows.append(list(range(start, start + n)))
                 q_pos.append(list(positions))
-                if w.sample:
-                    sample_rows.append(start + n - 1)
+                sample_rows.extend(_logit_rows(w, start + n))
             batches.append(build_batch(tables, q_rows, q_pos, num_physical, null, self.device))
         meta = FlexStepMeta(kv=self.pool.kv_tensor(),
                             slot_rows=torch.tensor(slot_list, dtype=torch.long).to(self.device),
@@ -293,10 +295,16 @@ class ModelRunner:
             positions.append(pos)
             slots.append(rows)
             meta.chunks.append(chunk)
-            if work.sample:
-                sample_rows.append(len(input_ids) - 1)
+            sample_rows.extend(_logit_rows(work, len(input_ids)))
         meta.slot_rows = torch.cat(slots).to(device)
         return meta, input_ids, torch.cat(positions), sample_rows
+
+
+def _logit_rows(work: SeqWork, end: int) -> range:
+    """The rows of a chunk ending at packed row ``end`` whose logits are returned."""
+    if work.all_logits:
+        return range(end - len(work.token_ids), end)
+    return range(end - 1, end) if work.sample else range(0)
 
 
 # A group's fixed cost (one gather + one SDPA call per layer) in blocks of padded KV.

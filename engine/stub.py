@@ -47,7 +47,9 @@ class _StubRunner:
     kernels = None
 
     def execute(self, decodes: Sequence[object], chunks: Sequence[object]) -> torch.Tensor:
-        n = sum(1 for w in (*decodes, *chunks) if getattr(w, "sample", False))
+        n = sum(len(w.token_ids) if getattr(w, "all_logits", False) else 1
+                for w in (*decodes, *chunks) if getattr(w, "sample", False)
+                or getattr(w, "all_logits", False))
         return torch.zeros(n, STUB_VOCAB)
 
 

@@ -163,7 +163,9 @@ def test_logprobs_match_the_model(tiny_checkpoints, engine: LLMEngine) -> None:
     expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(
         1, torch.tensor(tokens).unsqueeze(1)
     )
-    assert torch.allclose(torch.tensor(logprobs), expected.squeeze(1), atol=1e-4)
+    assert [lp.token_id for lp in logprobs] == tokens
+    got = torch.tensor([lp.logprob for lp in logprobs])
+    assert torch.allclose(got, expected.squeeze(1), atol=1e-4)
     no_lp, lps, _ = run(engine, "nolp", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     assert no_lp == tokens and lps == []
 

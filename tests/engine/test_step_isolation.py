@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.sampling import make_generator, sample
+from engine.sampler import SampleRow, sample
 
 POISON = 7  # a prompt holding this token id breaks every forward it is part of
 
@@ -114,8 +114,7 @@ def test_every_accepted_temperature_samples(tiny_checkpoints, temperature: float
 def test_non_finite_logits_sample_the_best_finite_token() -> None:
     logits = torch.tensor([[0.0, math.nan, 3.0, -1.0], [math.inf, 1.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=1.0, seed=1)] * 2
-    gens = [make_generator(p, torch.device("cpu")) for p in params]
-    ids, _ = sample(logits, params, gens)
+    ids, _ = sample(logits, [SampleRow(p, 1, 0, 0, (), ()) for p in params])
     assert ids[0] == 2 and ids[1] == 0
 
 
