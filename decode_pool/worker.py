@@ -39,10 +39,10 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.service import EngineThread, block_events, sampling_params, wait_event
+from engine.service import EngineThread, block_events, sampling_params, token_delta, wait_event
 from scheduler.messages import (
     BlockEvent,
     Dispatch,
@@ -98,6 +98,8 @@ class _Req:
     first_token: int | None = None
     first_token_time: float | None = None
     early_finish: str | None = None  # the prefill's first token was also its last
+    # The prefill worker's first-token deltas, one per sequence (logprobs, cached tokens).
+    first_deltas: tuple[TokenDelta, ...] = ()
     num_streamed: int = 0  # output tokens sent to the router
     prefill_worker_id: str | None = None  # RECEIVING: whose KV it waits for
 
@@ -240,9 +242,11 @@ class DecodeWorker:
             r.first_token = item.first_token
             r.first_token_time = item.time or time.time()
             r.early_finish = item.finish
+            r.first_deltas = item.deltas or (TokenDelta(item.req_id, (item.first_token,)),)
             if item.finish is None:
-                # The first token does not depend on the transfer: send it now (TTFT).
-                self._emit(r, (item.first_token,))
+                # The first tokens do not depend on the transfer: send them now (TTFT).
+                for d in r.first_deltas:
+                    self._emit_delta(r, d)
         self._flush()
         self._wake.set()
 
@@ -288,6 +292,8 @@ class DecodeWorker:
         if r is None or r.stage is not Stage.DECODING:
             return False
         free_before = self.engine.num_free_blocks
+        if mode != PreemptMode.SWAP.value and not self.engine.can_recompute(req_id):
+            mode = PreemptMode.SWAP.value  # its sequences forked: they share blocks
         if mode == PreemptMode.SWAP.value:
             ok = await self._thread.call(self.engine.swap_out, req_id)
             if ok:
@@ -347,9 +353,11 @@ class DecodeWorker:
 
     def _emit(self, r: _Req, tokens: tuple[int, ...], finish: str | None = None,
               error: str | None = None) -> None:
-        r.num_streamed += len(tokens)
-        self._outbox.setdefault(r.router_id, []).append(
-            TokenDelta(r.spec.req_id, tokens, finish, error))
+        self._emit_delta(r, TokenDelta(r.spec.req_id, tokens, finish, error))
+
+    def _emit_delta(self, r: _Req, delta: TokenDelta) -> None:
+        r.num_streamed += len(delta.token_ids)
+        self._outbox.setdefault(r.router_id, []).append(delta)
 
     def _flush(self) -> None:
         for router_id in list(self._outbox):
@@ -460,8 +468,8 @@ class DecodeWorker:
             if out.finished and finish is None:
                 finish = "stop"
             if out.new_token_ids or finish:
-                self._emit(r, tuple(out.new_token_ids), finish)
-            if out.finished:
+                self._emit_delta(r, token_delta(out, finish))
+            if out.request_finished:
                 self._reqs.pop(out.req_id, None)
                 self.sched.remove(out.req_id)
                 self._event(out.req_id, WorkerEvent.FINISHED_LENGTH if finish == "length"
@@ -490,7 +498,7 @@ class DecodeWorker:
                 # The first token was the last: no decode, the reserved slots go back.
                 self._reqs.pop(rid, None)
                 await self._end_transfer(rid)
-                self._emit(r, (r.first_token,), r.early_finish)
+                self._emit_delta(r, replace(r.first_deltas[0], finish=r.early_finish))
                 self._event(rid, WorkerEvent.FINISHED_LENGTH if r.early_finish == "length"
                             else WorkerEvent.FINISHED_STOP)
                 continue
@@ -504,9 +512,10 @@ class DecodeWorker:
             self.consumer.forget(rid)
             prompt = list(r.spec.prompt_token_ids)
             try:
+                firsts = ([d.token_ids[0] for d in r.first_deltas] if len(r.first_deltas) > 1
+                          else r.first_token)
                 await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
-                                        r.first_token, sampling_params(r.spec),
-                                        list(r.block_ids))
+                                        firsts, sampling_params(r.spec), list(r.block_ids))
             except ValueError as e:  # this request can never decode here: end it alone
                 self._event(rid, WorkerEvent.ABORTED, reason="invalid")
                 await self.abort(rid, error=f"invalid: {e}")

@@ -16,8 +16,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.grammar import Grammar
+from engine.outputs import StepOutput
+from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
-from scheduler.messages import BlockEvent, GenerationSpec
+from scheduler.messages import BlockEvent, GenerationSpec, TokenDelta
+from scheduler.messages import TokenLogprobs as WireLogprobs
 
 T = TypeVar("T")
 
@@ -52,10 +56,30 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
 
 
 def sampling_params(spec: GenerationSpec, *, max_tokens: int | None = None) -> SamplingParams:
+    """The engine's parameters of a request from the wire (ValueError: out of range)."""
     s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-                          temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                          stop_token_ids=spec.stop_token_ids, logprobs=False)
+    return SamplingParams(
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, stop_token_ids=spec.stop_token_ids,
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, logit_bias=s.logit_bias,
+        allowed_token_ids=s.allowed_token_ids, logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs, n=s.n,
+        grammar=Grammar(s.grammar_kind, s.grammar) if s.grammar_kind else None)
+
+
+def wire_logprobs(lps: list[TokenLogprobs] | None) -> tuple[WireLogprobs, ...]:
+    return tuple(WireLogprobs(lp.token_id, lp.logprob, lp.rank, tuple(lp.top_token_ids),
+                              tuple(lp.top_logprobs)) for lp in lps or ())
+
+
+def token_delta(out: StepOutput, finish: str | None = None) -> TokenDelta:
+    """One engine output as the router gets it (tokens, logprobs, the prompt's on the
+    first delta of sequence 0)."""
+    return TokenDelta(out.req_id, tuple(out.new_token_ids), finish, None, out.seq,
+                      wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs),
+                      out.num_cached_tokens if out.prefill_done else 0)
 
 
 def bytes_per_block(engine: Any) -> int:

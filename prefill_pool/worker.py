@@ -11,9 +11,10 @@ Life of a request on a prefill worker (STYLE.md item 7):
    lower-tier prompt) and the engine runs exactly those (``run_plan``, prefix-cache hits
    skip shared blocks); the blocks each chunk finishes are pushed to the producer at
    once, so the send of chunk k overlaps the compute of chunk k+1.
-3. FIRST TOKEN: the step that ends a prompt samples its first token; the first tokens of
-   one step go to each decode worker as one ``PrefilledBatch`` (PREFILL_DONE is reported).
-   A first token that is also the last ends the request there.
+3. FIRST TOKEN: the step that ends a prompt samples its first token (one per sequence of
+   an ``n > 1`` request, with their logprobs and the prompt's when asked); the first
+   tokens of one step go to each decode worker as one ``PrefilledBatch`` (PREFILL_DONE is
+   reported). A first token that is also the last ends a one-sequence request there.
 4. RELEASE: once the transfer is terminal (DONE, FAILED or ABORTED) the request's blocks
    are released; full blocks stay in the prefix cache for later prompts.
 5. ABORT: the cluster's abort or a failed transfer drops the request in any stage.
@@ -35,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.service import EngineThread, block_events, sampling_params, wait_event
+from engine.service import EngineThread, block_events, sampling_params, token_delta, wait_event
 from scheduler.messages import (
     BlockEvent,
     GenerationSpec,
@@ -210,6 +211,7 @@ class PrefillWorker:
                           decodes_here=False)
         self.num_steps += 1
         firsts: dict[str, list[Prefilled]] = {}
+        seqs: dict[str, list[Any]] = {}  # req_id -> its sequences' first-token outputs
         t = time.time()
         for out in outs:
             job = self._jobs.get(out.req_id)
@@ -225,16 +227,20 @@ class PrefillWorker:
                 continue
             if out.ready_block_ids:
                 self.producer.push(out.req_id, list(out.ready_block_ids))
-            if not out.prefill_done:
-                continue
+            if out.prefill_done:
+                seqs.setdefault(out.req_id, []).append(out)
+        for rid, done in seqs.items():
+            job = self._jobs[rid]
             job.prefill_done = True
-            self.sched.remove(out.req_id)
+            self.sched.remove(rid)
+            head = done[0]
             finish = None
-            if out.finished:
-                finish = out.finish_reason.value if out.finish_reason else "stop"
+            if head.finished and job.spec.sampling.n == 1:
+                finish = head.finish_reason.value if head.finish_reason else "stop"
             firsts.setdefault(job.decode_worker_id, []).append(
-                Prefilled(out.req_id, int(out.new_token_ids[0]), finish, t))
-            self._events.append(ReqEvent(out.req_id, WorkerEvent.PREFILL_DONE, t))
+                Prefilled(rid, int(head.new_token_ids[0]), finish, t,
+                          deltas=tuple(token_delta(o) for o in done)))
+            self._events.append(ReqEvent(rid, WorkerEvent.PREFILL_DONE, t))
         for dwid, items in firsts.items():
             self._spawn_send(dwid, PrefilledBatch(tuple(items)))
         if self._events:

@@ -179,10 +179,28 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
 @message("samp")
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
+    """How a request samples (engine.sampling.SamplingParams' fields; neutral defaults).
+    ``n``: sequences generated from the prompt; ``grammar_kind`` (an
+    engine.grammar.GrammarKind value, "" for none) and ``grammar``: structured output."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    grammar_kind: str = ""
+    grammar: str = ""
 
     @property
     def is_greedy(self) -> bool:
@@ -286,6 +304,10 @@ class Prefilled:
     # The prefill failed on this request alone (``step_failed: ...``): no token, no KV
     # will come; the decode worker ends it with this error (its router is told).
     error: str | None = None
+    # The first token of every sequence as its router will get it (seq, logprobs, the
+    # prompt's logprobs and cached tokens on sequence 0; no finish: the decode worker's
+    # engine decides that); empty for a plain request (``first_token`` says it all).
+    deltas: tuple[TokenDelta, ...] = ()
 
 
 @message("pres")
@@ -309,6 +331,25 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     finish: str | None = None
     error: str | None = None
+    seq: int = 0  # which of the request's n sequences
+    # One per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # Sequence 0's first delta: the prompt's logprobs (when asked) and how many prompt
+    # tokens the prefix cache gave (usage.prompt_tokens_details.cached_tokens).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0
+
+
+@message("lp")
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's log-probability, its rank (1 = most likely) and the top tokens' ones."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @message("toks")
