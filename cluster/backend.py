@@ -44,7 +44,6 @@ from router.backend import (
     BackendErrorKind,
     FinishReason,
     GenerationSpec,
-    SamplingSpec,
     TokenDelta,
 )
 from scheduler.messages import (
@@ -105,19 +104,30 @@ class HFTokenizer:
 
         return cls(AutoTokenizer.from_pretrained(path))
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    @property
+    def tool_format(self) -> str | None:
+        from router.tools import template_tool_format
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        template = getattr(self._tok, "chat_template", None)
+        return template_tool_format(template if isinstance(template, str) else None)
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         if getattr(self._tok, "chat_template", None):
-            text = self._tok.apply_chat_template(list(messages), tokenize=False,
-                                                 add_generation_prompt=True)
+            text = self._tok.apply_chat_template(list(messages), tokenize=False, **template)
             return list(self._tok.encode(text, add_special_tokens=False))
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if template.get("add_generation_prompt", True):
+            text += "assistant: "
         return self.encode_prompt(text)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._tok.decode([int(token_id)], skip_special_tokens=False))
 
 
 @dataclass(slots=True)
@@ -130,7 +140,8 @@ class _Live:
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, model_root: str = "") -> None:
+        self._model_root = model_root
         self._sched = scheduler
         self._decode = decode_handles
         self._tokenizer = tokenizer
@@ -159,6 +170,10 @@ class ClusterBackend:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def model_root(self) -> str:
+        return self._model_root
 
     @property
     def tokenizer(self) -> HFTokenizer:
@@ -344,6 +359,8 @@ class ClusterBackend:
             raise BackendError(BackendErrorKind.REJECTED,
                                f"tier {spec.tier} is being shed (overload)", retry_after_s=wait)
         produced: list[int] = []
+        num_seqs = spec.sampling.n
+        ended: set[int] = set()  # sequences that have had their finish
         attempt = 0
         first_token_time: float | None = None
         current = replace(spec, router_id=self.router_id)
@@ -375,12 +392,16 @@ class ClusterBackend:
                             first_token_time = time.time()
                         produced.extend(d.token_ids)
                         finish = FinishReason(d.finish) if d.finish else None
-                        if d.token_ids or finish:
-                            if finish is not None:
-                                self._finish(current, first_token_time, len(produced),
-                                             finish.value, spec)
-                            yield TokenDelta(tuple(d.token_ids), finish)
                         if finish is not None:
+                            ended.add(d.seq)
+                        done = len(ended) >= num_seqs
+                        if d.token_ids or finish:
+                            if done:
+                                self._finish(current, first_token_time, len(produced),
+                                             finish.value, spec)  # type: ignore[union-attr]
+                            yield TokenDelta(tuple(d.token_ids), finish, d.seq, d.logprobs,
+                                             d.prompt_logprobs, d.num_cached_tokens)
+                        if done:
                             return
                 finally:
                     self._live.pop(current.req_id, None)
@@ -388,6 +409,9 @@ class ClusterBackend:
                 self._finish(current, first_token_time, len(produced), "worker_failed", spec)
                 log.warning("request %s attempt %d failed: %s", spec.req_id, attempt, failure)
                 left = spec.sampling.max_tokens - len(produced)
+                if produced and num_seqs > 1:  # sequences are not resumed one by one
+                    raise BackendError(BackendErrorKind.FAILED,
+                                       f"the request failed midway: {failure}")
                 if failure not in RETRYABLE_ERRORS:
                     raise BackendError(BackendErrorKind.INVALID
                                        if failure.startswith("invalid") else BackendErrorKind.FAILED,
@@ -398,8 +422,10 @@ class ClusterBackend:
                 current = replace(
                     current, req_id=f"{spec.req_id}-r{attempt}",
                     prompt_token_ids=spec.prompt_token_ids + tuple(produced),
-                    sampling=SamplingSpec(left, spec.sampling.temperature, spec.sampling.top_p,
-                                          spec.sampling.seed))
+                    sampling=replace(spec.sampling, max_tokens=left,
+                                     min_tokens=max(0, spec.sampling.min_tokens - len(produced)),
+                                     prompt_logprobs=None if produced
+                                     else spec.sampling.prompt_logprobs))
         finally:
             self._attempt.pop(spec.req_id, None)
 

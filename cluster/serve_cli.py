@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with API keys, or --set router.allow_open_access=true)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--policy", help="scheduling policy (tierserve, vllm-fcfs, ...)")
+    p.add_argument("--served-model-name", dest="served_model_name",
+                   help="the model name the API answers to (default: the checkpoint "
+                   "folder's name)")
     p.add_argument("--num-prefill", type=int, dest="num_prefill")
     p.add_argument("--num-decode", type=int, dest="num_decode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set, direct={
             "model.path": args.model, "ray_address": args.address, "router.host": args.host,
             "router.port": args.port, "scheduling.policy": args.policy,
+            "model.served_name": getattr(args, "served_model_name", None),
             "pools.num_prefill": args.num_prefill, "pools.num_decode": args.num_decode})
     except ConfigError as e:
         print(f"tierserve serve: configuration error: {e}", file=sys.stderr)

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 # The request as the cluster runs it crosses processes, so it lives with the other wire
 # messages a floor below; the HTTP layer builds it.
-from scheduler.messages import GenerationSpec, SamplingSpec
+from scheduler.messages import GenerationSpec, SamplingSpec, TokenLogprobs
 
 __all__ = ["Backend", "BackendError", "BackendErrorKind", "FinishReason", "GenerationSpec",
-           "SamplingSpec", "TokenDelta", "Tokenizer"]
+           "SamplingSpec", "TokenDelta", "TokenLogprobs", "Tokenizer"]
 
 
 class FinishReason(enum.Enum):
@@ -29,10 +29,17 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """New output tokens; ``finish`` set on the last delta of a request."""
+    """New output tokens of sequence ``seq``; ``finish`` set on that sequence's last delta
+    (a request of n sequences streams until each has had its own). ``logprobs``: one per
+    token when asked; ``prompt_logprobs`` and ``num_cached_tokens`` on sequence 0's first
+    delta."""
 
     token_ids: tuple[int, ...]
     finish: FinishReason | None = None
+    seq: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0
 
 
 class BackendErrorKind(enum.Enum):
@@ -67,11 +74,25 @@ class Tokenizer(Protocol):
         length alone, without tokenizing it."""
         ...
 
-    def encode_prompt(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
+        """The chat template's token ids; ``template``: its keyword arguments
+        (``add_generation_prompt``, ``continue_final_message``, ``tools``, ``documents``
+        and the request's ``chat_template_kwargs``)."""
+        ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs' ``token``)."""
+        ...
+
+    @property
+    def tool_format(self) -> str | None:
+        """How the checkpoint's chat template renders tools and how its model calls them
+        (``router.tools``: "hermes", "llama3_json"), or None: the template has no tools."""
+        ...
 
 
 class Backend(Protocol):
@@ -82,6 +103,11 @@ class Backend(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def model_root(self) -> str:
+        """Where the model came from (a checkpoint folder or hub id): /v1/models' root."""
+        ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...

@@ -2,8 +2,10 @@
 
 Data flow: raw JSON -> :func:`parse_body` -> a validated request model (or an
 :class:`ApiError` carrying an HTTP status and an OpenAI-style error body) -> the HTTP
-layer in ``router/app.py``. Response builders return plain dicts ready for JSON or SSE.
-Unknown extra fields are ignored (clients send newer parameters); known fields must
+layer in ``router/app.py``; response bodies are built in ``router/responses.py``.
+Parameters of vLLM's and OpenAI's APIs that are not honoured are refused by name
+(``router/params.py``); other unknown fields are ignored (clients send newer
+parameters); known fields must
 have the right type and lie in their range (a seed fits 64 signed bits, floats are finite,
 token ids are non-negative 32-bit values, stop strings are short), and no string may
 hold a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no tokenizer's input):
@@ -14,7 +16,7 @@ what ``/openapi.json`` publishes for the request bodies.
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -58,14 +60,18 @@ MAX_STOP_CHARS = 256  # a stop string is searched for after every token: keep it
 MAX_TOKEN_ID = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+MAX_N = 16  # sequences per request (n, best_of): engine.sampling.MAX_N
+MAX_LOGPROBS = 20  # top logprobs per token: engine.sampling.MAX_LOGPROBS
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    model_config = ConfigDict(extra="ignore", strict=False, populate_by_name=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Body):
@@ -73,10 +79,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -85,11 +104,76 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool calls with parsed arguments, as
+        transformers' templates expect)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args: Any = json.loads(c.function.arguments or "{}")
+                except ValueError:
+                    args = c.function.arguments
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            out["tool_calls"] = calls
+        return out
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (one of its constraints)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]
+
 
 class _SamplingFields(_Body):
     model: str
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
@@ -97,9 +181,35 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     # tierserve extension: the tier asked for (allowed only where the tenant may override).
     priority: int | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    logit_bias: LogitBias | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    request_id: str | None = Field(None, max_length=128)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    echo: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -111,33 +221,94 @@ class _SamplingFields(_Body):
                 raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > 300:
+            raise ValueError("at most 300 logit_bias entries")
+        for key in v:
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys are token ids, got {key[:20]!r}")
+        return v
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_tokens
+
+    def num_sequences(self) -> int:
+        """Sequences the engine generates (best_of for completions)."""
+        return self.n
+
+    def logprobs_k(self) -> int | None:
+        """Top logprobs per output token (None: none asked)."""
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    metadata: dict[str, str] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    def prompt_text_or_ids(self) -> str | list[int]:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if all(isinstance(p, int) for p in self.prompt):
-            return [int(p) for p in self.prompt]  # type: ignore[arg-type]
-        if len(self.prompt) != 1:
-            raise ApiError(400, "only one prompt per request is supported", param="prompt")
-        return str(self.prompt[0])
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text or token ids (a list is several prompts)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [[int(x) for x in p]]  # type: ignore[union-attr]
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        return [x if isinstance(x, str) else [int(t) for t in x] for x in p]  # type: ignore[misc]
+
+    def num_sequences(self) -> int:
+        best = self.best_of if self.best_of is not None else self.n
+        if best < self.n:
+            raise ApiError(400, f"best_of ({best}) must be at least n ({self.n})",
+                           param="best_of")
+        if best > self.n and self.stream:
+            raise ApiError(400, "best_of greater than n cannot be streamed", param="best_of")
+        return best
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
-def parse_body(raw: bytes, model: type[_Body]) -> Any:
+def parse_body(raw: bytes, model: type[_Body],
+               before: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """The validated request model of a JSON body; ``before`` sees the raw object first
+    (router.params refuses the parameters it does not honour there)."""
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
@@ -150,6 +321,8 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     if where is not None:
         raise ApiError(400, f"{where or 'body'}: a string holds a lone UTF-16 surrogate "
                        "(\\ud800-\\udfff escapes must come in valid pairs)", param=where or None)
+    if before is not None:
+        before(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -188,95 +361,3 @@ def _lone_surrogate(data: Any) -> str | None:
         elif isinstance(value, list):
             stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
     return None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_body(
-    req_id: str, model: str, text: str, finish: str | None, use: dict[str, int], *, chat: bool
-) -> dict[str, Any]:
-    created = int(time.time())
-    if chat:
-        return {
-            "id": req_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-            ],
-            "usage": use,
-        }
-    return {
-        "id": req_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": use,
-    }
-
-
-def chunk_body(
-    req_id: str,
-    model: str,
-    text: str | None,
-    finish: str | None,
-    *,
-    chat: bool,
-    first: bool = False,
-    use: dict[str, int] | None = None,
-    include_usage_field: bool = False,
-) -> dict[str, Any]:
-    created = int(time.time())
-    if use is not None:
-        choices: list[dict[str, Any]] = []
-    elif chat:
-        delta: dict[str, Any] = {}
-        if first:
-            delta["role"] = "assistant"
-        if text:
-            delta["content"] = text
-        elif first:
-            delta["content"] = ""
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    body: dict[str, Any] = {
-        "id": req_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if use is not None or include_usage_field:
-        body["usage"] = use
-    return body
-
-
-def models_body(names: list[str], max_model_len: int) -> dict[str, Any]:
-    created = int(time.time())
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": n,
-                "object": "model",
-                "created": created,
-                "owned_by": "tierserve",
-                "max_model_len": max_model_len,
-            }
-            for n in names
-        ],
-    }

@@ -6,6 +6,8 @@ short window of the newest tokens (from ``prefix`` to the end, against ``prefix`
 only once the window decodes to complete characters (byte-level tokenizers may split a
 character across tokens). A stop string is searched only where it could have appeared,
 and text that might begin a stop string the next token completes is held back.
+As in vLLM: ``include_stop`` keeps the stop string in the output, no stop string counts
+before ``min_tokens`` tokens, and ``skip_special_tokens`` False decodes special tokens too.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ _INCOMPLETE = "\ufffd"
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], *,
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop
+        self._skip_special = skip_special_tokens
+        self._min_tokens = min_tokens
         self._stops = [s for s in stops if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._ids: list[int] = []
@@ -42,16 +49,19 @@ class TextAssembler:
         self._ids.extend(token_ids)
         self._advance(final)
         text = self._committed
-        cut = self._first_stop(text)
-        if cut is not None:
-            text = text[:cut]
+        active = len(self._ids) > self._min_tokens
+        hit = self._first_stop(text) if active else None
+        if hit is not None:
+            cut, stop = hit
+            text = text[: cut + len(stop)] if self._include_stop else text[:cut]
             self.is_stopped = True
             safe_end = len(text)
         elif final:
             safe_end = len(text)
         else:
             safe_end = len(text) - self._holdback(text)
-        self._searched = max(self._searched, len(self._committed) - self._max_stop + 1, 0)
+        if active:
+            self._searched = max(self._searched, len(self._committed) - self._max_stop + 1, 0)
         self.text = text[:safe_end] if not (final or self.is_stopped) else text
         delta = text[self._num_emitted: max(safe_end, self._num_emitted)]
         self._num_emitted = max(safe_end, self._num_emitted)
@@ -60,7 +70,13 @@ class TextAssembler:
     def _advance(self, final: bool) -> None:
         if self._read >= len(self._ids):
             return
-        decode = self._tokenizer.decode
+        tok = self._tokenizer
+
+        def decode(ids: Sequence[int]) -> str:
+            if self._skip_special:
+                return tok.decode(ids)
+            return tok.decode(ids, skip_special_tokens=False)
+
         before = decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
         window = decode(self._ids[self._prefix:])
         if not final and window.endswith(_INCOMPLETE):
@@ -73,9 +89,10 @@ class TextAssembler:
         self._prefix = self._read
         self._read = len(self._ids)
 
-    def _first_stop(self, text: str) -> int | None:
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """(where, which) of the first stop string in ``text``."""
         start = self._searched
-        hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self._stops) if i >= 0]
         return min(hits) if hits else None
 
     def _holdback(self, text: str) -> int:

@@ -28,7 +28,7 @@ class CountingTokenizer(ByteTokenizer):
     def __init__(self) -> None:
         self.num_encodes = 0
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.num_encodes += 1
         return super().encode_prompt(text)
 

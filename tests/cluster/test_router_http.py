@@ -21,15 +21,19 @@ REPLY = "hello world. bye"
 class ByteTokenizer:
     vocab_size = 256
     max_token_bytes = 1
+    tool_format = None
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode())
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_ids).decode(errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return bytes([token_id]).decode(errors="replace")
 
 
 class FakeBackend:
@@ -49,6 +53,10 @@ class FakeBackend:
     @property
     def max_model_len(self) -> int:
         return 64
+
+    @property
+    def model_root(self) -> str:
+        return "/models/tiny"
 
     @property
     def tokenizer(self) -> ByteTokenizer:
@@ -121,7 +129,8 @@ def test_chat_non_streaming_returns_text_and_usage() -> None:
     assert body["choices"][0]["finish_reason"] == "stop"
     prompt_len = len("<user>hi")
     assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": len(REPLY),
-                             "total_tokens": prompt_len + len(REPLY)}
+                             "total_tokens": prompt_len + len(REPLY),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert backend.specs[0].sampling.temperature == 0.0
     assert backend.specs[0].tier == 1
     assert observer.done[0].outcome == "stop" and observer.done[0].completion_tokens == len(REPLY)
@@ -131,7 +140,7 @@ def test_completion_length_and_stop_string() -> None:
     client, backend, _ = make_client()
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5})
     assert r.json()["choices"][0] == {"index": 0, "text": "hello", "logprobs": None,
-                                      "finish_reason": "length"}
+                                      "finish_reason": "length", "stop_reason": None}
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stop": [". "]})
     choice = r.json()["choices"][0]
     assert choice["text"] == "hello world" and choice["finish_reason"] == "stop"
