@@ -60,8 +60,7 @@ class TextAssembler:
             safe_end = len(text)
         else:
             safe_end = len(text) - self._holdback(text)
-        if active:
-            self._searched = max(self._searched, len(self._committed) - self._max_stop + 1, 0)
+        self._searched = max(self._searched, len(self._committed) - self._max_stop + 1, 0)
         self.text = text[:safe_end] if not (final or self.is_stopped) else text
         delta = text[self._num_emitted: max(safe_end, self._num_emitted)]
         self._num_emitted = max(safe_end, self._num_emitted)
