@@ -62,7 +62,6 @@ class SampleRow:
     matcher: Matcher | None = None
 
 
-@torch.inference_mode()
 def sample(
     logits: torch.Tensor,
     rows: Sequence[SampleRow],
@@ -73,20 +72,28 @@ def sample(
     """One token per row of ``logits`` [len(rows), vocab]: (token ids, logprobs per row,
     None where not asked). ``stop_ids``: the model's EOS ids (masked before min_tokens)."""
     logits = logits.float()
-    processed = [i for i, r in enumerate(rows) if r.params.processes_logits]
-    wants = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    randoms = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    work = logits.clone() if processed and wants else logits
-    if processed:
-        _process(work, rows, processed, stop_ids)
-    if argmax is not None and work.device.type == "cpu" and work.is_contiguous():
-        chosen = argmax(work)
+    processed: list[int] = []
+    wants: list[int] = []
+    randoms: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.processes_logits:
+            processed.append(i)
+        if p.logprobs is not None:
+            wants.append(i)
+        if p.temperature != 0.0:
+            randoms.append(i)
+    if not processed and not randoms:  # the fast path: greedy, every parameter neutral
+        chosen = _argmax(logits, argmax)
     else:
-        # max(dim) returns the first maximal index, like argmax, and runs faster on CPU.
-        chosen = work.max(dim=-1).indices
-    if randoms:
-        picked = _draw(work, [rows[i] for i in randoms], randoms)
-        chosen[torch.tensor(randoms, dtype=torch.long, device=chosen.device)] = picked
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            work = logits.clone() if processed and wants else logits
+            if processed:
+                _process(work, rows, processed, stop_ids)
+            chosen = _argmax(work, argmax)
+            if randoms:
+                picked = _draw(work, [rows[i] for i in randoms], randoms)
+                chosen[torch.tensor(randoms, dtype=torch.long, device=chosen.device)] = picked
     token_ids = chosen.tolist()
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if wants:
@@ -99,6 +106,14 @@ def sample(
             lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:k], lp.top_logprobs[:k]
             out[i] = lp
     return token_ids, out
+
+
+def _argmax(logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor] | None
+            ) -> torch.Tensor:
+    if argmax is not None and logits.device.type == "cpu":
+        return argmax(logits.contiguous())
+    # max(dim) returns the first maximal index, like argmax, and runs faster on CPU.
+    return logits.max(dim=-1).indices
 
 
 @torch.inference_mode()

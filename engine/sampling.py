@@ -122,6 +122,10 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids",
                            tuple(int(t) for t in self.allowed_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        # read for every row of every step: computed once
+        object.__setattr__(self, "_processes", (
+            self.has_penalties or bool(self.logit_bias) or bool(self.allowed_token_ids)
+            or self.min_tokens > 0 or self.grammar is not None))
 
     @property
     def is_greedy(self) -> bool:
@@ -136,8 +140,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Anything that changes the logits before the choice (a greedy request without
         any takes the sampler's fast path)."""
-        return (self.has_penalties or bool(self.logit_bias) or bool(self.allowed_token_ids)
-                or self.min_tokens > 0 or self.grammar is not None)
+        return self._processes  # type: ignore[attr-defined,no-any-return]
 
     def token_ids_out_of(self, vocab_size: int) -> list[int]:
         """Token ids this request names (bias, allow list, stop ids) outside the vocabulary."""
