@@ -3,9 +3,9 @@
 ``python -m engine.bench_sampling --json OUT`` on the default model (SmolLM2-135M, bf16,
 one torch thread), sections (``--skip NAME`` leaves one out):
 
-* ``sampler``: the sampler alone on [16, vocab] logits: the greedy fast path (every
-  parameter neutral), and every parameter at once (penalties over 128 output tokens,
-  top-k, top-p, min-p, a bias, seeds).
+* ``sampler``: the sampler alone on [16, vocab] logits of the model: the greedy fast path
+  (every parameter neutral), temperature alone, top-p, and every parameter at once
+  (penalties over 128 output tokens, top-k, top-p, min-p, a bias, seeds).
 * ``grammar``: decode steps at batch 16 of requests constrained by a JSON schema (long
   strings, so every step is inside the grammar), against the same batch unconstrained;
   the bitmask's own time (filling 16 rows from the matchers and applying them) is timed
@@ -62,22 +62,42 @@ def _median_ms(xs: list[float]) -> float:
     return round(statistics.median(xs) * 1e3, 3)
 
 
-def bench_sampler(vocab: int, reps: int) -> dict[str, Any]:
+def model_logits(engine: Any, rows: int = 16) -> Any:
+    """Next-token logits of the model itself (peaked as a language model's are, which is
+    what the candidate paths of the sampler count on), for ``rows`` short chat prompts."""
+    import torch
+
+    tok = engine.tokenizer
+    texts = [f"Question {i}: tell me about the number {i * 37}." for i in range(rows)]
+    with torch.inference_mode():
+        out = []
+        for text in texts:
+            ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+            out.append(engine.model(ids).logits[0, -1].float())
+    return torch.stack(out)
+
+
+def bench_sampler(logits: Any, reps: int) -> dict[str, Any]:
     import torch
 
     from engine.sampler import SampleRow, sample
     from engine.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(16, vocab, generator=g)
+    vocab = logits.shape[-1]
     out_ids = torch.randint(0, vocab, (128,), generator=g).tolist()
     greedy = [SampleRow(SamplingParams(), 0, 0, 5, (), ()) for _ in range(16)]
     busy = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
                           presence_penalty=0.5, frequency_penalty=0.3,
                           repetition_penalty=1.1, logit_bias=((13, 2.0),), seed=1)
     full = [SampleRow(busy, i, 0, 128, out_ids, out_ids) for i in range(16)]
+    temperature = [SampleRow(SamplingParams(temperature=0.8, seed=1), i, 0, 5, (), ())
+                   for i in range(16)]
+    nucleus = [SampleRow(SamplingParams(temperature=0.8, top_p=0.95, seed=1), i, 0, 5, (), ())
+               for i in range(16)]
     out = {}
-    for name, rows in (("greedy_fast_path", greedy), ("every_parameter", full)):
+    for name, rows in (("greedy_fast_path", greedy), ("temperature", temperature),
+                       ("top_p", nucleus), ("every_parameter", full)):
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -213,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                                     max_num_seqs=64, enable_prefix_caching=False))
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype,
                               "threads": args.threads, "load_before": os.getloadavg()[0]}
-    vocab = int(engine.model.config.vocab_size)
     if "sampler" not in args.skip:
-        result["sampler"] = bench_sampler(vocab, 50)
+        result["sampler"] = bench_sampler(model_logits(engine), 20)
         print("sampler", result["sampler"], flush=True)
     if "grammar" not in args.skip:
         result["grammar"] = bench_grammar(engine, args.steps, args.rounds)

@@ -216,50 +216,124 @@ def _penalize(work: torch.Tensor, rows: list[SampleRow], where: list[int]) -> No
 
 
 def _draw(work: torch.Tensor, rows: list[SampleRow], where: list[int]) -> torch.Tensor:
-    """A token for each random row, by inverse-CDF over its filtered distribution."""
+    """A token for each random row, by inverse-CDF over its filtered distribution.
+
+    Rows with ``top_k`` or ``top_p`` sample from a short candidate list (``topk``: sorted,
+    so the nucleus needs no sort of the vocabulary); a ``top_p`` row without ``top_k``
+    takes the top ``CANDIDATES`` and falls back to the whole vocabulary only when those do
+    not hold its nucleus. The rest use the whole row.
+    """
     device = work.device
     index = torch.tensor(where, dtype=torch.long, device=device)
-    sub = work.index_select(0, index)
     temps = torch.tensor([r.params.temperature for r in rows], device=device).view(-1, 1)
-    sub = sub / temps
+    sub = work.index_select(0, index) / temps
     vocab = sub.shape[-1]
-    neg_inf = float("-inf")
-    min_ps = [r.params.min_p for r in rows]
-    if any(m > 0.0 for m in min_ps):
-        probs = torch.softmax(sub, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(
-            min_ps, device=device).view(-1, 1)
-        sub = sub.masked_fill(probs < floor, neg_inf)
+    picked = torch.zeros(len(rows), dtype=torch.long, device=device)
+    short = [j for j, r in enumerate(rows)
+             if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
+    full = [j for j in range(len(rows)) if j not in set(short)]
+    if short:
+        got, fallback = _draw_candidates(sub, [rows[j] for j in short], short)
+        picked.index_copy_(0, torch.tensor(short, device=device), got)
+        full += [short[j] for j in fallback]
+    if full:
+        got = _draw_full(sub, [rows[j] for j in full], full)
+        picked.index_copy_(0, torch.tensor(full, device=device), got)
+    return picked
+
+
+CANDIDATES = 1024  # a top_p row's first try: the nucleus of a language model is this short
+
+
+def _min_p_floor(values: torch.Tensor, rows: list[SampleRow], top: torch.Tensor
+                 ) -> torch.Tensor:
+    """Mask (True: removed) of ``min_p``: probability below min_p x the top one's."""
+    log_min_p = torch.tensor([math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf
+                              for r in rows], device=values.device).view(-1, 1)
+    return values < top + log_min_p
+
+
+def _draw_candidates(sub: torch.Tensor, rows: list[SampleRow], where: list[int]
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """Tokens of the rows that sample from their top candidates; the positions (in
+    ``rows``) whose nucleus the candidates did not hold, to draw from the whole row."""
+    device = sub.device
+    vocab = sub.shape[-1]
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
-    if any(ks):
-        top = torch.topk(sub, max(ks), dim=-1).values
+    width = min(vocab, max(max(ks), CANDIDATES if not all(ks) else 1))
+    part = sub.index_select(0, torch.tensor(where, dtype=torch.long, device=device))
+    vals, ids = torch.topk(part, width, dim=-1)  # sorted, largest first
+    neg_inf = float("-inf")
+    kept = torch.arange(width, device=device).view(1, -1) < torch.tensor(
+        [k or width for k in ks], device=device).view(-1, 1)
+    if any(r.params.min_p > 0 for r in rows):
+        kept &= ~_min_p_floor(vals, rows, vals[:, :1])
+    vals = vals.masked_fill(~kept, neg_inf)
+    # top-k rows renormalize over their k (vLLM applies top-k, then top-p); the others
+    # keep the probabilities of the whole (min_p-filtered) row
+    whole = part
+    if any(r.params.min_p > 0 for r in rows):
+        whole = part.masked_fill(_min_p_floor(part, rows, vals[:, :1]), neg_inf)
+    has_k = torch.tensor([k > 0 for k in ks], device=device).view(-1, 1)
+    norm = torch.where(has_k, torch.logsumexp(vals, dim=-1, keepdim=True),
+                       torch.logsumexp(whole, dim=-1, keepdim=True) if not all(ks)
+                       else torch.zeros_like(vals[:, :1]))
+    probs = torch.exp(vals - norm)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device).view(-1, 1)
+    cum = torch.cumsum(probs, dim=-1)
+    drop = (cum - probs) > top_p  # the tokens ranked above cover top_p already
+    drop[:, 0] = False
+    covered = (cum[:, -1:] >= top_p) | has_k
+    fallback = [j for j, ok in enumerate(covered.view(-1).tolist()) if not ok]
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.tensor([uniform(r.seed, r.seq, r.step) for r in rows], dtype=cdf.dtype,
+                     device=device).view(-1, 1)
+    col = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=width - 1)
+    ok = torch.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0)
+    ok &= probs.gather(1, col).view(-1) > 0
+    col = torch.where(ok.view(-1, 1), col, torch.zeros_like(col))  # else the top candidate
+    return ids.gather(1, col).view(-1), fallback
+
+
+def _draw_full(sub: torch.Tensor, rows: list[SampleRow], where: list[int]) -> torch.Tensor:
+    """Tokens of the rows that sample from the whole vocabulary."""
+    device = sub.device
+    part = sub.index_select(0, torch.tensor(where, dtype=torch.long, device=device))
+    neg_inf = float("-inf")
+    if any(r.params.min_p > 0 for r in rows):
+        part = part.masked_fill(
+            _min_p_floor(part, rows, part.max(dim=-1, keepdim=True).values), neg_inf)
+    ks = [r.params.top_k if 0 < r.params.top_k < part.shape[-1] else 0 for r in rows]
+    if any(ks):  # a top-k row here: its top_p candidates fell short
+        top = torch.topk(part, max(ks), dim=-1).values
         kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).view(-1, 1))
         kth = torch.where(torch.tensor(ks, device=device).view(-1, 1) > 0, kth,
                           torch.full_like(kth, neg_inf))
-        sub = sub.masked_fill(sub < kth, neg_inf)
+        part = part.masked_fill(part < kth, neg_inf)
     nucleus = [j for j, r in enumerate(rows) if r.params.top_p < 1.0]
     if nucleus:
         nidx = torch.tensor(nucleus, dtype=torch.long, device=device)
-        part = sub.index_select(0, nidx)
-        sorted_logits, order = torch.sort(part, dim=-1, descending=True)
+        rows_n = part.index_select(0, nidx)
+        sorted_logits, order = torch.sort(rows_n, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = torch.tensor([rows[j].params.top_p for j in nucleus], device=device).view(-1, 1)
-        # Drop a token when the tokens ranked above it already cover top_p.
         drop = (torch.cumsum(probs, dim=-1) - probs) > top_p
         drop[:, 0] = False
-        part = part.scatter(1, order, sorted_logits.masked_fill(drop, neg_inf))
-        sub = sub.index_copy(0, nidx, part)
-    probs = torch.softmax(sub, dim=-1)
+        rows_n = rows_n.scatter(1, order, sorted_logits.masked_fill(drop, neg_inf))
+        part = part.index_copy(0, nidx, rows_n)
+    probs = torch.softmax(part, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
     u = torch.tensor([uniform(r.seed, r.seq, r.step) for r in rows], dtype=cdf.dtype,
                      device=device).view(-1, 1)
-    picked = torch.searchsorted(cdf, u * total, right=True).clamp_(max=vocab - 1).view(-1)
+    picked = torch.searchsorted(cdf, u * total, right=True).clamp_(max=part.shape[-1] - 1)
+    picked = picked.view(-1)
     ok = torch.isfinite(total.view(-1)) & (total.view(-1) > 0)
     ok &= probs.gather(1, picked.view(-1, 1)).view(-1) > 0
     if not bool(ok.all()):
         # Logits the model made non-finite (or every token masked): the most likely finite
         # token, never a raise.
-        fallback = torch.nan_to_num(sub, nan=neg_inf).max(dim=-1).indices
+        fallback = torch.nan_to_num(part, nan=neg_inf).max(dim=-1).indices
         picked = torch.where(ok, picked, fallback)
     return picked
