@@ -178,10 +178,19 @@ def start_workers(cfg: ClusterConfig, *, suffix: str = "") -> ClusterHandles:
     return await_workers(*launch_workers(cfg, suffix=suffix))
 
 
-def served_model_name(cfg: ClusterConfig) -> str:
+def served_model_names(cfg: ClusterConfig) -> list[str]:
+    """The names the API answers to, the first one primary: ``model.served_name`` (several
+    separated by commas), else, as ``vllm serve PATH`` does, the checkpoint's path (so
+    clients that load the tokenizer by the model's id, guidellm among them, find it)
+    followed by its folder name."""
     if cfg.model.served_name:
-        return cfg.model.served_name
-    return Path(resolve_model_path(cfg.model.path)).name or "model"
+        return [n.strip() for n in cfg.model.served_name.split(",") if n.strip()]
+    path = resolve_model_path(cfg.model.path)
+    return [path, Path(path).name or "model"]
+
+
+def served_model_name(cfg: ClusterConfig) -> str:
+    return served_model_names(cfg)[0]
 
 
 def build_router_app(cfg: ClusterConfig, handles: ClusterHandles,
@@ -189,10 +198,11 @@ def build_router_app(cfg: ClusterConfig, handles: ClusterHandles,
     """The router bound to the cluster; ``max_model_len`` None: the workers' (set up)."""
     from cluster.router_deployment import router_deployment
 
+    names = served_model_names(cfg)
     return router_deployment().bind(
         cfg.to_dict(), handles.scheduler_name, handles.namespace, list(handles.decode),
-        served_model_name(cfg), max_model_len or handles.max_model_len,
-        resolve_model_path(cfg.model.path))
+        names[0], max_model_len or handles.max_model_len,
+        resolve_model_path(cfg.model.path), names[1:])
 
 
 def declared_max_model_len(cfg: ClusterConfig) -> int | None:

@@ -140,8 +140,10 @@ class _Live:
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
-                 request_timeout_s: float, model_root: str = "") -> None:
+                 request_timeout_s: float, model_root: str = "",
+                 model_aliases: tuple[str, ...] = ()) -> None:
         self._model_root = model_root
+        self._model_aliases = model_aliases
         self._sched = scheduler
         self._decode = decode_handles
         self._tokenizer = tokenizer
@@ -174,6 +176,10 @@ class ClusterBackend:
     @property
     def model_root(self) -> str:
         return self._model_root
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        return self._model_aliases
 
     @property
     def tokenizer(self) -> HFTokenizer:

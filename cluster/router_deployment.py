@@ -48,7 +48,7 @@ def _reuse_port_for_direct_ingress() -> None:
 class RouterIngress:
     async def __init__(self, cfg: dict[str, Any], scheduler_name: str, namespace: str,
                        decode_ids: list[str], model_name: str, max_model_len: int,
-                       tokenizer_path: str) -> None:
+                       tokenizer_path: str, model_aliases: list[str] | None = None) -> None:
         import ray
 
         from cluster.backend import ClusterBackend, HFTokenizer
@@ -69,7 +69,8 @@ class RouterIngress:
             tokenizer = await asyncio.to_thread(HFTokenizer.from_path, tokenizer_path)
         self._backend = ClusterBackend(sched, handles, tokenizer, model_name, max_model_len,
                                        rc.rpc_timeout_s, rc.request_timeout_s,
-                                       model_root=tokenizer_path)
+                                       model_root=tokenizer_path,
+                                       model_aliases=tuple(model_aliases or ()))
 
     def __serve_build_asgi_app__(self) -> Any:
         rc = self._cfg.router

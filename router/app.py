@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.access import AccessGate, read_body
-from router.backend import Backend, BackendError
+from router.backend import Backend, BackendError, served_names
 from router.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from router.responses import models_body
 from router.serving import (
@@ -153,7 +153,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(models_body([backend.model_name], backend.max_model_len,
+        return JSONResponse(models_body(served_names(backend), backend.max_model_len,
                                         backend.model_root))
 
     @app.post("/tokenize")

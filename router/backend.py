@@ -95,6 +95,11 @@ class Tokenizer(Protocol):
         ...
 
 
+def served_names(backend: Backend) -> list[str]:
+    """Every name the backend's model answers to, the primary one first."""
+    return [backend.model_name, *getattr(backend, "model_aliases", ())]
+
+
 class Backend(Protocol):
     """The cluster as the HTTP layer sees it."""
 
@@ -103,6 +108,11 @@ class Backend(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """Other names the model answers to (listed in /v1/models after model_name)."""
+        ...
 
     @property
     def model_root(self) -> str:

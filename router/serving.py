@@ -34,6 +34,7 @@ from router.backend import (
     BackendErrorKind,
     GenerationSpec,
     SamplingSpec,
+    served_names,
 )
 from router.generation import Generation, OutputOptions, Piece
 from router.params import check_params
@@ -235,7 +236,7 @@ class Serving:
         backend, cfg = self.backend, self.cfg
         tenant: TenantEntry = request.state.tenant
         tier = self.tenants.tier_for(tenant, request.headers.get(TIER_HEADER), body.priority)
-        if body.model != backend.model_name:
+        if body.model not in served_names(backend):
             raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server has "
                            f"{backend.model_name!r}", param="model", code="model_not_found")
         asked = body.requested_max_tokens()
@@ -465,7 +466,7 @@ class Serving:
                 if body.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = prompt_logprobs_body(
                         prompt_ids, gen.prompt_logprobs, namer)
-        return completion_body(plan.response_id, self.backend.model_name, choices,
+        return completion_body(plan.response_id, body.model, choices,
                                self._usage(gens), chat=plan.chat, extra=extra)
 
     @staticmethod
@@ -490,7 +491,7 @@ class Serving:
                       ) -> AsyncIterator[bytes]:
         body = plan.body
         chat = plan.chat
-        rid, model = plan.response_id, self.backend.model_name
+        rid, model = plan.response_id, body.model
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from router.backend import Backend
+from router.backend import Backend, served_names
 from router.protocol import ApiError, ChatMessage, TokenId, _Body, parse_body
 
 
@@ -42,7 +42,7 @@ class TokenizerApi:
         self.backend = backend
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.backend.model_name:
+        if model is not None and model not in served_names(self.backend):
             raise ApiError(404, f"model {model[:100]!r} does not exist; this server has "
                            f"{self.backend.model_name!r}", param="model",
                            code="model_not_found")
