@@ -415,7 +415,8 @@ class ClusterBackend:
                 self._finish(current, first_token_time, len(produced), "worker_failed", spec)
                 log.warning("request %s attempt %d failed: %s", spec.req_id, attempt, failure)
                 left = spec.sampling.max_tokens - len(produced)
-                if produced and num_seqs > 1:  # sequences are not resumed one by one
+                if produced and (num_seqs > 1 or spec.sampling.grammar_kind):
+                    # sequences are not resumed one by one, and a grammar would restart
                     raise BackendError(BackendErrorKind.FAILED,
                                        f"the request failed midway: {failure}")
                 if failure not in RETRYABLE_ERRORS:

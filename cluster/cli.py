@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("engine.calibrate", "fit the simulator's cpu-smollm2 cost model to this machine"),
     "bench-transfer": ("kvtransfer.bench", "measure KV block transfer bandwidth and latency"),
     "bench": ("cluster.bench_http", "replay a trace through a running endpoint over HTTP"),
+    "bench-clients": ("cluster.bench_clients",
+                      "guidellm, aiperf and vllm bench serve against a running endpoint"),
     "bench-control": ("cluster.bench_control",
                       "requests per second through router and scheduler (stub engines)"),
     "why": ("cluster.why_cli", "explain why a request was late"),
