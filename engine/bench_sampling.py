@@ -143,7 +143,15 @@ def bench_grammar(engine: Any, steps: int, rounds: int) -> dict[str, Any]:
     plain = [SamplingParams(max_tokens=steps + 8, temperature=0.8, seed=i, ignore_eos=True)
              for i in range(16)]
     mask_s: list[float] = []
+    accept_s: list[float] = []
     fill, apply = sampler_mod.Matcher.fill, sampler_mod.apply_bitmask
+    accept = sampler_mod.Matcher.accept
+
+    def timed_accept(self: Any, token_id: int) -> bool:
+        t0 = time.perf_counter()
+        ok = accept(self, token_id)
+        accept_s.append(time.perf_counter() - t0)
+        return ok
 
     def timed_fill(self: Any, bitmask: Any, row: int) -> None:
         t0 = time.perf_counter()
@@ -159,25 +167,35 @@ def bench_grammar(engine: Any, steps: int, rounds: int) -> dict[str, Any]:
     with_g: list[float] = []
     without: list[float] = []
     mask_per_step: list[float] = []
+    accept_per_step: list[float] = []
+    rounds_out = []
     for _ in range(rounds):
-        without += _decode_steps(engine, plain, steps, prompt)
+        plain_steps = _decode_steps(engine, plain, steps, prompt)
+        without += plain_steps
         sampler_mod.Matcher.fill = timed_fill  # type: ignore[method-assign]
+        sampler_mod.Matcher.accept = timed_accept  # type: ignore[method-assign]
         sampler_mod.apply_bitmask = timed_apply
         try:
-            before = len(mask_s)
+            before, before_a = len(mask_s), len(accept_s)
             got = _decode_steps(engine, constrained, steps, prompt)
             with_g += got
-            total = sum(mask_s[before:])
-            mask_per_step.append(total / max(1, len(got)))
+            mask_per_step.append(sum(mask_s[before:]) / max(1, len(got)))
+            accept_per_step.append(sum(accept_s[before_a:]) / max(1, len(got)))
         finally:
             sampler_mod.Matcher.fill = fill  # type: ignore[method-assign]
+            sampler_mod.Matcher.accept = accept  # type: ignore[method-assign]
             sampler_mod.apply_bitmask = apply
+        rounds_out.append({"plain_ms": _median_ms(plain_steps), "grammar_ms": _median_ms(got),
+                           "mask_ms": round(mask_per_step[-1] * 1e3, 3),
+                           "accept_ms": round(accept_per_step[-1] * 1e3, 3)})
     step_plain = statistics.median(without)
     mask = statistics.median(mask_per_step)
     return {"decode_step_b16_ms": round(step_plain * 1e3, 2),
             "decode_step_b16_grammar_ms": round(statistics.median(with_g) * 1e3, 2),
             "mask_per_step_ms": round(mask * 1e3, 3),
+            "accept_per_step_ms": round(statistics.median(accept_per_step) * 1e3, 3),
             "mask_share_of_step": round(mask / step_plain, 4),
+            "rounds": rounds_out,
             "steps_measured": [len(without), len(with_g)]}
 
 

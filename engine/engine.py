@@ -318,6 +318,8 @@ class LLMEngine:
     def _copy_on_write(self, seq: EngineRequest) -> bool:
         """Give ``seq`` its own copy of the block its next token lands in when that block is
         shared (the prompt's last partial block after a fork); False: no block for it."""
+        if seq.params.n == 1:
+            return True  # one sequence: nothing it writes is shared
         bs = self.pool.block_size
         index = seq.num_computed // bs
         if index >= len(seq.block_ids):
@@ -377,11 +379,16 @@ class LLMEngine:
                         req.params.prompt_logprobs or 0)
             if work.sample:
                 p = req.params
-                prompt = req.token_ids[: req.num_prompt_tokens] if p.has_penalties else ()
-                output = req.output_token_ids if p.has_penalties else ()
-                for seq, matcher in self._drawers(req):
-                    rows.append(SampleRow(p, req.seed, seq, req.num_output_tokens, prompt,
-                                          output, matcher))
+                step = len(req.token_ids) - req.num_prompt_tokens
+                prompt: Sequence[int] = ()
+                output: Sequence[int] = ()
+                if p.has_penalties:
+                    prompt = req.token_ids[: req.num_prompt_tokens]
+                    output = req.token_ids[req.num_prompt_tokens :]
+                drawers = ([(req.seq_index, req.matcher)] if p.n == 1 or req.forks or step
+                           else self._drawers(req))
+                for seq, matcher in drawers:
+                    rows.append(SampleRow(p, req.seed, seq, step, prompt, output, matcher))
                     where.append((k, seq, matcher))
                     logit_rows.append(offset + num_rows - 1)
             offset += num_rows
@@ -439,10 +446,13 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         for k, (seq, work) in enumerate(scheduled):
             seq.num_computed += len(work.token_ids)
-            req = self._group(seq)
             if k in sampled.prompt_logprobs:
-                req.prompt_logprobs.extend(sampled.prompt_logprobs[k])
+                self._group(seq).prompt_logprobs.extend(sampled.prompt_logprobs[k])
             draws = sampled.draws.get(k, [])
+            if seq.params.n == 1:
+                outputs.append(self._commit_one(seq, draws[0] if draws else None))
+                continue
+            req = self._group(seq)
             if len(draws) > 1:
                 for d in draws[1:]:  # the prompt's first tokens: the sequences fork here
                     child = seq.fork(d.seq, d.matcher)
@@ -483,10 +493,31 @@ class LLMEngine:
             outputs += outs
         return outputs
 
+    def _commit_one(self, req: EngineRequest, draw: _Draw | None) -> StepOutput:
+        """The commit of a request of one sequence (the common case, kept short)."""
+        out = StepOutput(req_id=req.req_id)
+        if draw is not None:
+            self._append_token(req, draw.token_id, draw.logprobs, out)
+        self._publish_blocks(req)
+        out.num_computed_tokens = req.num_computed
+        out.ready_block_ids = self._ready_blocks(req, out.prefill_done)
+        if out.prefill_done:
+            out.num_cached_tokens = req.num_cached_tokens
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+        if out.finished or (req.prefill_only and out.prefill_done):
+            self._running.remove(req)
+            out.request_finished = out.finished
+            if req.prefill_only:
+                req.state = ReqState.PREFILLED  # blocks kept until release()
+            else:
+                self._forget(req)
+        return out
+
     def _append_token(
         self, req: EngineRequest, token: int, logprobs: TokenLogprobs | None, out: StepOutput
     ) -> None:
-        if req.num_output_tokens == 0:
+        if len(req.token_ids) == req.num_prompt_tokens:
             out.prefill_done = True
         req.token_ids.append(token)
         out.new_token_ids.append(token)
@@ -507,7 +538,8 @@ class LLMEngine:
         grammar_done = False
         if req.matcher is not None:
             grammar_done = not req.matcher.accept(token) or req.matcher.is_finished
-        if req.num_output_tokens > params.min_tokens:
+        num_output = len(req.token_ids) - req.num_prompt_tokens
+        if num_output > params.min_tokens:
             if not params.ignore_eos and token in self._eos_token_ids:
                 return FinishReason.STOP, token
             if token in params.stop_token_ids:
@@ -519,7 +551,7 @@ class LLMEngine:
                         return FinishReason.STOP, s
         if grammar_done:
             return FinishReason.STOP, None
-        if req.num_output_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return FinishReason.LENGTH, None
         if len(req.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH, None
@@ -605,7 +637,8 @@ class LLMEngine:
 
         Returns False when ``req`` itself had to be preempted.
         """
-        while not all(self._grow_no_preempt(q, n) for q, n in wants):
+        while not (self._grow_no_preempt(*wants[0]) if len(wants) == 1
+                   else all(self._grow_no_preempt(q, n) for q, n in wants)):
             victim = self._running[-1]
             self._preempt(victim)
             if victim is req or len(self._running) <= index:

@@ -123,8 +123,11 @@ class SamplingParams:
                            tuple(int(t) for t in self.allowed_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         # read for every row of every step: computed once
+        penalized = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                     or self.repetition_penalty != 1.0)
+        object.__setattr__(self, "_penalized", penalized)
         object.__setattr__(self, "_processes", (
-            self.has_penalties or bool(self.logit_bias) or bool(self.allowed_token_ids)
+            penalized or bool(self.logit_bias) or bool(self.allowed_token_ids)
             or self.min_tokens > 0 or self.grammar is not None))
 
     @property
@@ -133,8 +136,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self._penalized  # type: ignore[attr-defined,no-any-return]
 
     @property
     def processes_logits(self) -> bool:
