@@ -243,6 +243,10 @@ class Serving:
         if asked is not None and not 1 <= asked <= cfg.max_tokens_limit:
             raise ApiError(400, f"max_tokens must be in [1, {cfg.max_tokens_limit}], got "
                            f"{str(asked)[:24]}", param="max_tokens")
+        if body.stream_options is not None and not body.stream:
+            # as vLLM: options of a stream that is not one would be accepted and ignored
+            raise ApiError(400, "stream_options: only with stream: true",
+                           param="stream_options")
         num_seqs = body.num_sequences()
         k = body.logprobs_k()
         tools = self._tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
