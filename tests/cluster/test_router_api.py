@@ -105,10 +105,11 @@ class Scripted:
         return b"", "text/plain"
 
 
-def make(backend: Scripted | None = None) -> tuple[TestClient, Scripted]:
+def make(backend: Scripted | None = None, max_tokens_limit: int = 100
+         ) -> tuple[TestClient, Scripted]:
     backend = backend or Scripted()
     app = build_app(backend, tenants=TenantDirectory([], num_tiers=4),
-                    settings=RouterSettings(max_tokens_limit=100))
+                    settings=RouterSettings(max_tokens_limit=max_tokens_limit))
     return TestClient(app, raise_server_exceptions=False), backend
 
 
@@ -144,14 +145,14 @@ repetition_detection guided_json guided_regex guided_choice guided_grammar""".sp
 SAMPLE = {
     "echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"65": 3},
     "max_tokens": 5, "max_completion_tokens": 5, "n": 2, "best_of": 2, "seed": 3,
-    "stop": ["zz"], "stream": False, "stream_options": {"include_usage": True},
+    "stop": ["zz"], "stream": True, "stream_options": {"include_usage": True},
     "temperature": 0.5, "top_p": 0.9, "user": "u1", "top_k": 5, "min_p": 0.1,
     "repetition_penalty": 1.2, "stop_token_ids": [66], "include_stop_str_in_output": True,
     "ignore_eos": True, "min_tokens": 1, "skip_special_tokens": False,
     "truncate_prompt_tokens": 2, "truncation_side": "right", "allowed_token_ids": [65, 66],
     "prompt_logprobs": 1, "add_special_tokens": True,
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
-    "priority": 1, "request_id": "abc", "session_id": "s", "return_tokens_as_token_ids": True,
+    "priority": 2, "request_id": "abc", "session_id": "s", "return_tokens_as_token_ids": True,
     "return_token_ids": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": 'start: "a"', "logprobs": 2,
     "top_logprobs": 2, "parallel_tool_calls": False, "add_generation_prompt": False,
@@ -202,6 +203,8 @@ def test_every_parameter_is_honoured_or_refused_by_name(param) -> None:
             body["logprobs"] = True
         if param.name == "continue_final_message":
             body["add_generation_prompt"] = False
+        if param.name == "stream_options":
+            body["stream"] = True
         r = client.post(path, json=body)
         assert r.status_code == 200, (param.name, endpoint, r.text)
     # the other endpoint's parameter is refused by name
@@ -211,6 +214,13 @@ def test_every_parameter_is_honoured_or_refused_by_name(param) -> None:
         base = CHAT if "chat" in other else COMPLETION
         r = client.post(path, json={**base, param.name: SAMPLE.get(param.name, 1)})
         assert r.status_code == 400 and r.json()["error"]["param"] == param.name
+
+
+def test_stream_options_without_a_stream_are_refused() -> None:
+    client, _ = make()
+    r = client.post("/v1/completions", json={**COMPLETION,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
 def test_sampling_parameters_reach_the_engine_spec() -> None:
@@ -457,3 +467,87 @@ def test_side_endpoints() -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_endpoint"
     r = client.post("/v1/chat/completions", json={**CHAT, "request_id": "mine"})
     assert r.json()["id"] == "chatcmpl-mine"
+
+
+# For the effect walk: what a parameter needs beside it to show its effect (a stop string
+# to include, tools to choose among, a special token to keep), and the value it is sent at
+# where the walk's sample is the default of one endpoint.
+EFFECT_CONTEXT: dict[str, dict[str, Any]] = {
+    "top_logprobs": {"logprobs": True},
+    "continue_final_message": {"add_generation_prompt": False},
+    "stream_options": {"stream": True},
+    "include_stop_str_in_output": {"stop": ["wor"]},
+    "truncation_side": {"truncate_prompt_tokens": 2},
+    "tool_choice": {"tools": TOOLS},
+    "parallel_tool_calls": {"tools": TOOLS, "max_tokens": 120},
+    "return_tokens_as_token_ids": {"logprobs": 1},
+}
+# (the anonymous caller's own tier is 1: asking for it changes nothing)
+EFFECT_VALUE: dict[str, Any] = {"stream": True, "tool_choice": "required", "stop": ["wor"],
+                                "priority": 2}
+# Honoured with no observable effect here, and why.
+NO_EFFECT = {
+    "model": "every request names the model",
+    "include_reasoning": "no reasoning parser: no output has a reasoning part to drop",
+}
+TWO_CALLS = b'<tool_call>{"name":"get_time","arguments":{}}</tool_call>' * 2
+
+
+def observe(client: TestClient, backend: Scripted, path: str, body: dict[str, Any],
+            keep_id: bool) -> tuple[Any, ...]:
+    """What a request did: the spec the backend got (less its per-request id and time), the
+    chat template's arguments, and the response (less its id and creation time)."""
+    r = client.post(path, json=body)
+    assert r.status_code == 200, (body, r.text)
+    text = r.text
+    if r.headers["content-type"].startswith("application/json"):
+        reply = r.json()
+        reply.pop("created", None)
+        if not keep_id:
+            reply.pop("id", None)
+        text = json.dumps(reply, sort_keys=True)
+    else:  # a stream: its events, less their ids and times
+        events = []
+        for line in text.splitlines():
+            if line.startswith("data: {"):
+                e = json.loads(line[6:])
+                e.pop("created", None)
+                if not keep_id:
+                    e.pop("id", None)
+                events.append(e)
+        text = json.dumps(events, sort_keys=True)
+    spec = backend.specs[-1]
+    template = backend.tok.templates[-1] if path.endswith("chat/completions") else None
+    return (spec.prompt_token_ids, spec.sampling, spec.tier, spec.stop_token_ids,
+            json.dumps(template, sort_keys=True, default=str), text)
+
+
+@pytest.mark.parametrize("param", [p for p in PARAMS if p.support is Support.HONOURED
+                                   and p.name not in ("messages", "prompt")],
+                         ids=lambda p: p.name)
+def test_every_honoured_parameter_changes_what_is_run_or_returned(param) -> None:
+    """Nothing accepted is ignored: each honoured parameter, sent at a value other than its
+    default, changes the request the engine gets or the response the client reads."""
+    if param.name in NO_EFFECT:
+        pytest.skip(NO_EFFECT[param.name])
+    for endpoint in sorted(param.endpoints):
+        replies = [TWO_CALLS] if param.name == "parallel_tool_calls" else (
+            [[65, 256, 66]] if param.name == "skip_special_tokens" else None)
+        client, backend = make(Scripted(replies, tool_format=HERMES),  # type: ignore[arg-type]
+                               max_tokens_limit=120)
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        base = {**(CHAT if endpoint == "chat" else COMPLETION),
+                **EFFECT_CONTEXT.get(param.name, {})}
+        if param.name == "truncation_side" and endpoint == "completions":
+            base["prompt"] = "abcdef"
+        if param.name == "echo" and endpoint == "chat":  # it repeats a final assistant message
+            base["messages"] = [*CHAT["messages"], {"role": "assistant", "content": "So"}]
+        value = EFFECT_VALUE.get(param.name, SAMPLE[param.name])
+        if param.name == "logprobs" and endpoint == "chat":
+            value = True
+        if param.name == "return_tokens_as_token_ids" and endpoint == "chat":
+            base["logprobs"] = True
+        keep_id = param.name == "request_id"
+        without = observe(client, backend, path, base, keep_id)
+        with_it = observe(client, backend, path, {**base, param.name: value}, keep_id)
+        assert with_it != without, (param.name, endpoint, value)
