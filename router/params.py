@@ -133,6 +133,8 @@ PARAMS: tuple[Param, ...] = (
     Param("return_token_ids", H, BOTH),
     Param("return_token_offsets", N, BOTH, neutral=(False,), why="render endpoints only"),
     Param("return_mm_kwargs", N, BOTH, neutral=(True,), why="render endpoints only"),
+    Param("mm_payload", N, BOTH, neutral=("tensors",), why="render endpoints only"),
+    Param("return_prompt_text", H, CHAT),
     Param("routed_experts_prompt_start", N, BOTH, neutral=(0,), why="not a mixture of experts"),
     Param("prompt_embeds", R, COMPLETIONS, why="prompts are text or token ids"),
     Param("cache_salt", R, BOTH, why="the prefix cache is not salted per request"),

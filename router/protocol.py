@@ -264,6 +264,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     metadata: dict[str, str] | None = None
+    # vLLM: the response carries the prompt as the chat template rendered it
+    return_prompt_text: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -467,11 +467,17 @@ class Serving:
             if plan.chat:
                 if body.return_token_ids:
                     extra["prompt_token_ids"] = prompt_ids
+                if body.return_prompt_text:
+                    extra["prompt_text"] = self._prompt_text(prompt_ids)
                 if body.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = prompt_logprobs_body(
                         prompt_ids, gen.prompt_logprobs, namer)
         return completion_body(plan.response_id, body.model, choices,
                                self._usage(gens), chat=plan.chat, extra=extra)
+
+    def _prompt_text(self, prompt_ids: list[int]) -> str:
+        """The prompt as the chat template rendered it (its special tokens included)."""
+        return self.backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     @staticmethod
     def _message(plan: Plan, text: str, finish: str | None
@@ -503,10 +509,11 @@ class Serving:
         k = plan.k or 0
         buffered = plan.tools is not None  # a message with tools goes out whole, at its end
 
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
+        def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None
+                  ) -> bytes:
             use = self._usage(gens) if continuous else None
-            return sse(chunk_body(rid, model, choices, chat=chat, use=use,
-                                  include_usage_field=include_usage))
+            return sse({**chunk_body(rid, model, choices, chat=chat, use=use,
+                                     include_usage_field=include_usage), **(extra or {})})
 
         def piece_chunks(p: int, piece: Piece) -> list[bytes]:
             index = p * plan.n + piece.seq
@@ -553,7 +560,11 @@ class Serving:
                     if chat:
                         first = chat_delta(index, role=True, content=(
                             None if buffered else plan.echo_texts[0]))
-                        yield chunk([first])
+                        extra = None
+                        if index == 0 and body.return_prompt_text:  # on the first chunk only
+                            extra = {"prompt_text": self._prompt_text(
+                                list(gen.spec.prompt_token_ids))}
+                        yield chunk([first], extra)
                     elif plan.echo_texts:
                         lps = None
                         if plan.k is not None:

