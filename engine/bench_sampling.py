@@ -10,6 +10,9 @@ one torch thread), sections (``--skip NAME`` leaves one out):
   strings, so every step is inside the grammar), against the same batch unconstrained;
   the bitmask's own time (filling 16 rows from the matchers and applying them) is timed
   inside the step. The issue's target: at most 10 % of a decode step.
+* ``blocks``: the KV blocks a request holds at its peak with ``n = 1`` and ``n = 4``, for a
+  1,000-token prompt and 64 new tokens (the issue's target: n = 4 at most 1.3x n = 1). The
+  prompt's blocks are shared by the four sequences; each copies the partial last one.
 * ``validate``: 200 objects generated under 5 JSON schemas (40 each, sampled at
   temperature 0.8, at most 160 tokens), each parsed and validated against its schema. The
   schemas bound their numbers (range, ``multipleOf``): a grammar cannot stop a small model
@@ -205,6 +208,33 @@ def bench_grammar(engine: Any, steps: int, rounds: int) -> dict[str, Any]:
             "steps_measured": [len(without), len(with_g)]}
 
 
+def bench_blocks(engine: Any, prompt_len: int = 1000, new_tokens: int = 64
+                 ) -> dict[str, Any]:
+    """Peak blocks in use while one request of ``n`` sequences runs alone in the engine."""
+    from engine.sampling import SamplingParams
+
+    text = " ".join(f"item {i} of the list," for i in range(prompt_len))
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:prompt_len]
+    assert len(prompt) == prompt_len
+    peaks: dict[int, int] = {}
+    for n in (1, 4):
+        assert engine.num_free_blocks == engine.num_total_blocks
+        engine.add_request(f"blocks-n{n}", prompt,
+                           SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=1, n=n,
+                                          ignore_eos=True))
+        tokens = [0] * n
+        peak = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.seq] += len(out.new_token_ids)
+            peak = max(peak, engine.num_total_blocks - engine.num_free_blocks)
+        assert tokens == [new_tokens] * n, tokens
+        peaks[n] = peak
+    return {"prompt_tokens": prompt_len, "new_tokens": new_tokens,
+            "block_size": engine.config.block_size, "peak_blocks_n1": peaks[1],
+            "peak_blocks_n4": peaks[4], "ratio": round(peaks[4] / peaks[1], 3)}
+
+
 def bench_validate(engine: Any, per_schema: int) -> dict[str, Any]:
     import jsonschema
 
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-schema", type=int, default=40)
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["sampler", "grammar", "validate"])
+                        choices=["sampler", "grammar", "blocks", "validate"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -263,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if "grammar" not in args.skip:
         result["grammar"] = bench_grammar(engine, args.steps, args.rounds)
         print("grammar", result["grammar"], flush=True)
+    if "blocks" not in args.skip:
+        result["blocks"] = bench_blocks(engine)
+        print("blocks", result["blocks"], flush=True)
     if "validate" not in args.skip:
         result["validate"] = bench_validate(engine, args.per_schema)
         print("validate", {k: v for k, v in result["validate"].items() if k != "failures"},
