@@ -69,7 +69,7 @@ class RouterIngress:
             tokenizer = await asyncio.to_thread(HFTokenizer.from_path, tokenizer_path)
         self._backend = ClusterBackend(sched, handles, tokenizer, model_name, max_model_len,
                                        rc.rpc_timeout_s, rc.request_timeout_s,
-                                       model_root=tokenizer_path,
+                                       rc.retry_resume_timeout_s, model_root=tokenizer_path,
                                        model_aliases=tuple(model_aliases or ()))
 
     def __serve_build_asgi_app__(self) -> Any:
