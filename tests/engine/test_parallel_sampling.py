@@ -4,6 +4,7 @@ the disaggregated hand-over and both pool layouts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,38 @@ def test_json_schema_output_parses_and_validates(tiny_checkpoints) -> None:
     with pytest.raises(ValueError, match="grammar|regex"):
         engine.add_request("bad", PROMPT, SamplingParams(grammar=Grammar(GrammarKind.REGEX,
                                                                          "(unclosed")))
+
+
+def test_a_seeded_request_with_every_parameter_ignores_its_batch(tiny_checkpoints) -> None:
+    """Seeded sampling with the penalties, filters and a bias gives the same tokens alone and
+    in batches that differ in size, in what their other rows ask for, and in when it joins
+    them (so its rows sit at other positions and its steps meet other prefills)."""
+    busy = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02,
+                          presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2,
+                          logit_bias=((101, 1.5),), min_tokens=4, seed=123, logprobs=2)
+    others = {"o0": (list(b"first in"), SamplingParams(max_tokens=9, ignore_eos=True)),
+              "o1": (list(b"another prompt here"),
+                     SamplingParams(max_tokens=20, temperature=1.3, seed=5, n=2,
+                                    ignore_eos=True)),
+              "o2": (list(b"x" * 50), SamplingParams(max_tokens=7, temperature=0.7,
+                                                      frequency_penalty=1.0))}
+    alone, _, _ = run_all(make_engine(tiny_checkpoints["llama"]), {"r": (PROMPT, busy)})
+    for join_at in (0, 3):
+        engine = make_engine(tiny_checkpoints["llama"])
+        for rid, (prompt, params) in others.items():
+            engine.add_request(rid, prompt, params)
+        tokens: list[int] = []
+        steps = 0
+        while engine.has_unfinished() or steps <= join_at:
+            if steps == join_at:
+                engine.add_request("r", PROMPT, busy)
+            for out in engine.step():
+                assert out.error is None
+                if out.req_id == "r":
+                    tokens += out.new_token_ids
+            steps += 1
+        assert tokens == alone["r"][0], join_at
+        assert engine.num_free_blocks == engine.num_total_blocks
+    again, _, _ = run_all(make_engine(tiny_checkpoints["llama"]),
+                          {"r": (PROMPT, replace(busy, seed=124))})
+    assert again["r"] != alone["r"]  # 16 tokens: the seed is what made them equal
