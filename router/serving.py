@@ -54,7 +54,7 @@ from router.responses import (
     prompt_logprobs_body,
     usage,
 )
-from router.structured import JSON_SCHEMA, request_grammar
+from router.structured import JSON_SCHEMA, Constraint, request_grammar
 from router.tenants import TIER_HEADER, TenantDirectory, TenantEntry
 from router.tools import call_bodies, forced_schema, parse_calls, parse_forced
 
@@ -109,12 +109,19 @@ _STATUS = {
 }
 
 
-def api_error(err: BackendError) -> ApiError:
+def api_error(err: BackendError, grammar: Constraint | None = None) -> ApiError:
+    """The HTTP error of a backend's; a grammar the engine refused (it compiles them) names
+    the request field the grammar came from."""
     status, type_ = _STATUS[err.kind]
     headers = {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(max(1, int(round(err.retry_after_s))))
-    return ApiError(status, err.message, type_=type_, code=err.kind.value, headers=headers)
+    param = None
+    if err.kind is BackendErrorKind.INVALID and grammar is not None and (
+            "grammar" in err.message):
+        param = grammar.param
+    return ApiError(status, err.message, type_=type_, code=err.kind.value, headers=headers,
+                    param=param)
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
@@ -146,6 +153,7 @@ class Plan:
     k: int | None  # top logprobs per token (None: none asked)
     echo_texts: list[str] = field(default_factory=list)
     tools: ToolPlan | None = None
+    grammar: Constraint | None = None
 
 
 class Serving:
@@ -260,7 +268,7 @@ class Serving:
                                        tools.named)
             except ValueError as e:
                 raise ApiError(400, str(e), param="tool_choice") from None
-            grammar = (JSON_SCHEMA, json.dumps(schema))
+            grammar = Constraint(JSON_SCHEMA, json.dumps(schema), "tool_choice")
         if isinstance(body, ChatCompletionRequest):
             prompts = [await self._tokenize_chat(body, tools)]
             last = body.messages[-1]
@@ -304,10 +312,10 @@ class Serving:
         return Plan(body, chat, response_id, specs,
                     OutputOptions(tuple(body.stop_list()), body.include_stop_str_in_output,
                                   body.skip_special_tokens, body.min_tokens),
-                    body.n, k, echo_texts, tools)
+                    body.n, k, echo_texts, tools, grammar)
 
     def _spec(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-              max_tokens: int, num_seqs: int, k: int | None, grammar: tuple[str, str] | None,
+              max_tokens: int, num_seqs: int, k: int | None, grammar: Constraint | None,
               tier: int, tenant: str, vocab: int) -> GenerationSpec:
         bias = tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items()))
         named = [t for t, _ in bias] + list(body.allowed_token_ids or ())
@@ -343,8 +351,8 @@ class Serving:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_lps,
                 n=num_seqs,
-                grammar_kind=grammar[0] if grammar else "",
-                grammar=grammar[1] if grammar else "",
+                grammar_kind=grammar.kind if grammar else "",
+                grammar=grammar.spec if grammar else "",
             ),
             tier=tier,
             tenant=tenant,
@@ -395,7 +403,7 @@ class Serving:
                 firsts = await asyncio.gather(*(g.next() for g in gens))
             except BackendError as e:
                 await self._close_all(gens, e.kind.value)
-                raise api_error(e) from None
+                raise api_error(e, plan.grammar) from None
             except BaseException:
                 await self._close_all(gens, None)
                 raise
@@ -407,7 +415,7 @@ class Serving:
         except BackendError as e:
             for g in gens:
                 g.outcome = e.kind.value
-            raise api_error(e) from None
+            raise api_error(e, plan.grammar) from None
         finally:
             await asyncio.gather(*(self.close(g) for g in gens))
         return JSONResponse(self._final_body(plan, gens), headers=headers)

@@ -7,13 +7,19 @@ import the engine: the engine checks the grammar and a bad one comes back as a 4
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from router.protocol import ApiError, _SamplingFields
 
 JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, LARK = (
     "json_schema", "json_object", "regex", "choice", "lark")
 MAX_GRAMMAR_CHARS = 64 << 10
+
+
+class Constraint(NamedTuple):
+    kind: str
+    spec: str
+    param: str  # the request field it came from: named by the 400 of a grammar the engine refuses
 
 
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
@@ -27,7 +33,7 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
     return json.dumps(schema)
 
 
-def request_grammar(body: _SamplingFields) -> tuple[str, str] | None:
+def request_grammar(body: _SamplingFields) -> Constraint | None:
     """(kind, spec) of the request's constraint, or None; 400 for two at once."""
     found: list[tuple[str, tuple[str, str]]] = []
     rf = body.response_format
@@ -67,7 +73,7 @@ def request_grammar(body: _SamplingFields) -> tuple[str, str] | None:
                        param=names[-1])
     if not found:
         return None
-    name, grammar = found[0]
-    if len(grammar[1]) > MAX_GRAMMAR_CHARS:
+    name, (kind, spec) = found[0]
+    if len(spec) > MAX_GRAMMAR_CHARS:
         raise ApiError(400, f"{name}: longer than {MAX_GRAMMAR_CHARS} characters", param=name)
-    return grammar
+    return Constraint(kind, spec, name)

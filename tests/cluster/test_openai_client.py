@@ -202,3 +202,8 @@ def test_side_endpoints_and_a_refusal(client, cluster, tiny_path: Path) -> None:
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                   extra_body={"use_beam_search": True})
+    # a grammar the engine cannot compile: a 400 naming the field it came in
+    with pytest.raises(openai.BadRequestError, match="regex") as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"guided_regex": "(unclosed"})
+    assert err.value.body["param"] == "guided_regex"
