@@ -103,7 +103,8 @@ def test_prompt_logprobs_match_the_model_and_skip_the_cache(tiny_checkpoints,
     assert hits[0].num_cached_tokens == 32  # two full blocks from the cache
 
 
-@pytest.mark.parametrize("attention", ["paged", "flex"])
+@pytest.mark.parametrize("attention", [
+    "paged", pytest.param("flex", marks=pytest.mark.slow)])  # flex on CPU: the eager reference
 def test_n_sequences_share_the_prompt_and_copy_its_last_block(tiny_checkpoints, reference,
                                                               attention: str) -> None:
     engine = make_engine(tiny_checkpoints["llama"], attention=attention, block_size=16)
