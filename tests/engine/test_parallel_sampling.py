@@ -175,11 +175,14 @@ def test_the_engine_swaps_a_group_under_pressure(tiny_checkpoints) -> None:
     assert tokens["g"] == alone["g"]
 
 
-def test_forked_sequences_on_the_decode_side(tiny_checkpoints, reference) -> None:
-    """Prefill on one engine (n first tokens), decode on another from the moved KV."""
+@pytest.mark.parametrize("max_tokens", [12, 1])
+def test_forked_sequences_on_the_decode_side(tiny_checkpoints, reference,
+                                             max_tokens: int) -> None:
+    """Prefill on one engine (n first tokens), decode on another from the moved KV; with
+    max_tokens 1 the decode side only ends each sequence (no token of its own)."""
     prefill = make_engine(tiny_checkpoints["llama"])
     decode = make_engine(tiny_checkpoints["llama"], attention="flex")
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9, n=3, logprobs=0,
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=9, n=3, logprobs=0,
                             ignore_eos=True)
     aggregated, _, _ = run_all(make_engine(tiny_checkpoints["llama"]), {"r": (PROMPT, params)})
     prefill.add_request("r", PROMPT, params, prefill_only=True)
@@ -193,10 +196,13 @@ def test_forked_sequences_on_the_decode_side(tiny_checkpoints, reference) -> Non
     prefill.release("r")
     decode.add_prefilled_request("r", PROMPT, [firsts[i] for i in range(3)], params, blocks)
     tokens = [[firsts[i]] for i in range(3)]
+    finished = set()
     while decode.has_unfinished():
         for out in decode.step():
             tokens[out.seq] += out.new_token_ids
-    assert tokens == aggregated["r"]
+            if out.finished:
+                finished.add(out.seq)
+    assert tokens == aggregated["r"] and finished == {0, 1, 2}
     assert decode.num_free_blocks == decode.num_total_blocks
 
 
