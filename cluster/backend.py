@@ -423,7 +423,7 @@ class ClusterBackend:
         except TimeoutError:
             await self.abort(current.req_id)
             raise BackendError(
-                BackendErrorKind.FAILED,
+                BackendErrorKind.UNAVAILABLE,
                 f"the request's worker failed and its retry did not resume within "
                 f"{self._retry_resume_s:g} s (router.retry_resume_timeout_s)",
                 retry_after_s=RETRY_AFTER_S) from None
