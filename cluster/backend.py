@@ -140,7 +140,7 @@ class _Live:
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
-                 request_timeout_s: float, retry_resume_s: float = 8.0, model_root: str = "",
+                 request_timeout_s: float, retry_resume_s: float = 7.0, model_root: str = "",
                  model_aliases: tuple[str, ...] = ()) -> None:
         self._model_root = model_root
         self._model_aliases = model_aliases
@@ -456,7 +456,7 @@ class ClusterBackend:
         except TimeoutError:
             await self.abort(current.req_id)
             raise BackendError(
-                BackendErrorKind.FAILED,
+                BackendErrorKind.UNAVAILABLE,
                 f"the request's worker failed and its retry did not resume within "
                 f"{self._retry_resume_s:g} s (router.retry_resume_timeout_s)",
                 retry_after_s=RETRY_AFTER_S) from None
