@@ -36,6 +36,7 @@ from scheduler.admission import (
 )
 from scheduler.deadlines import DeadlineWatcher, ServiceEstimate
 from scheduler.fairshare import FairShareController, ShareLedger, TailTracker
+from scheduler.links import LinkPricer
 from scheduler.ordering import (
     DEFAULT_ORDERING,
     OrderingPolicy,
@@ -69,14 +70,14 @@ from scheduler.step_planner import (
     is_started,
 )
 from scheduler.tiers import TierConfig
-from scheduler.topology import LinkCosts, WorkerInfo
+from scheduler.topology import WorkerInfo
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
     tiers: TierConfig
     est: ServiceEstimate
-    costs: LinkCosts
+    costs: LinkPricer  # LinkCosts (priors) or a LinkModel the workers' measurements refine
     block_size: int = 16
 
 
