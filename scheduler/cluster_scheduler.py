@@ -871,15 +871,25 @@ class ClusterScheduler:
             self._move(rid, to, d, ev.time, by, mem=mem)
             self._close(rid)
         elif kind is WorkerEvent.PREEMPTED_MIGRATE:
-            # The source freed its blocks; the target may have said it decodes already.
+            # The source handed the request off (its blocks are free): the target owns it
+            # now, even before it says it decodes (if it dies first, the request ends with
+            # worker_failed and its router retries it).
             w.held.pop(rid, None)
             if req.decode_worker_id == w.worker_id:
-                self._migrated_off(e, w, ev, mem)
+                if req.state is S.DECODING:
+                    self._migrated_off(e, w, ev, mem)
+                target = self.workers.get(ev.peer_worker_id)
+                if target is None or not target.is_alive:
+                    self._end(rid, now, D.WORKER_FAILED, f"worker:{ev.peer_worker_id}",
+                              error="worker_failed")
+                    return
+                req.decode_worker_id = target.worker_id
+                e.migrate_to = target.worker_id
         elif kind is WorkerEvent.RESUMED_MIGRATE:
-            if req.decode_worker_id != w.worker_id:
+            if req.state is not S.DECODING or req.decode_worker_id != w.worker_id:
                 src = self.workers.get(req.decode_worker_id or "")
                 if req.state is S.DECODING and src is not None:
-                    self._migrated_off(e, src, ev, mem)
+                    self._migrated_off(e, src, ev, mem)  # the target's report came first
                 self._cancel_promise(e, w)
                 req.decode_worker_id = w.worker_id
                 e.migrate_to, e.is_recovering = None, False

@@ -39,19 +39,41 @@ class LinkPricer(Protocol):
 
 @dataclass(slots=True)
 class LinkEstimate:
-    """One link's bandwidth: the prior until measured, then a moving average of samples."""
+    """One link: time = latency + bytes / bandwidth, the prior's figures until measured,
+    then a least-squares fit of the recent samples (each weighs ``1 - alpha`` of the one
+    after it). Samples of one size cannot separate the two terms: the latency then stays
+    the prior's and the bandwidth takes the rest of the mean time."""
 
     bw: float  # bytes per second
     latency_s: float
     num_samples: int = 0
+    # Decayed sums of the samples (weights, bytes, seconds, bytes^2, bytes x seconds).
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+    _prior_latency_s: float = -1.0
 
     def observe(self, num_bytes: int, seconds: float, alpha: float) -> None:
-        # The fixed latency is the prior's; the rest of the time is the bytes' (at least a
-        # tenth of it, so a sample near the latency does not read as infinite bandwidth).
-        busy = max(seconds - self.latency_s, 0.1 * seconds)
-        bw = num_bytes / busy
-        self.bw = bw if self.num_samples == 0 else self.bw + alpha * (bw - self.bw)
+        if self._prior_latency_s < 0:
+            self._prior_latency_s = self.latency_s
+        keep = 1.0 - alpha
+        x, y = float(num_bytes), float(seconds)
+        self._w = self._w * keep + 1.0
+        self._x = self._x * keep + x
+        self._y = self._y * keep + y
+        self._xx = self._xx * keep + x * x
+        self._xy = self._xy * keep + x * y
         self.num_samples += 1
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        slope = (self._xy / self._w - mx * my) / var if var > (0.1 * mx) ** 2 else 0.0
+        latency = my - slope * mx
+        if slope <= 0 or latency < 0:  # one size, or noise: keep the prior's latency
+            latency = min(self._prior_latency_s, 0.9 * my)
+            slope = (my - latency) / mx
+        self.latency_s, self.bw = latency, 1.0 / slope
 
     def seconds(self, num_bytes: int) -> float:
         return self.latency_s + num_bytes / self.bw
@@ -62,8 +84,6 @@ class LinkModel:
 
     # Weight of a new sample: a few migrations are enough to move off a wrong prior.
     ALPHA = 0.3
-    # Samples below this many bytes say more about the fixed costs than the bandwidth.
-    MIN_SAMPLE_BYTES = 64 << 10
 
     def __init__(self, prior: LinkCosts) -> None:
         self.prior = prior
@@ -86,16 +106,20 @@ class LinkModel:
         return self.host.seconds(num_blocks * self.bytes_per_block)
 
     def observe_move(self, cls: TopologyClass, num_bytes: int, seconds: float) -> None:
-        if num_bytes >= self.MIN_SAMPLE_BYTES and seconds > 0:
+        if num_bytes > 0 and seconds > 0:
             self.links[cls].observe(num_bytes, seconds, self.ALPHA)
 
     def observe_swap(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes >= self.MIN_SAMPLE_BYTES and seconds > 0:
+        if num_bytes > 0 and seconds > 0:
             self.host.observe(num_bytes, seconds, self.ALPHA)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Each link's bandwidth now (GB/s) and how many samples made it (stats, benches)."""
-        out = {cls.value: {"gbps": e.bw / 1e9, "num_samples": float(e.num_samples)}
-               for cls, e in self.links.items()}
-        out["host"] = {"gbps": self.host.bw / 1e9, "num_samples": float(self.host.num_samples)}
+        """Each link's bandwidth (GB/s) and latency now, and how many samples made them."""
+        out = {cls.value: _figures(e) for cls, e in self.links.items()}
+        out["host"] = _figures(self.host)
         return out
+
+
+def _figures(e: LinkEstimate) -> dict[str, float]:
+    return {"gbps": e.bw / 1e9, "latency_ms": 1e3 * e.latency_s,
+            "num_samples": float(e.num_samples)}

@@ -429,6 +429,8 @@ class ReqEvent:
     time: float
     for_req_id: str | None = None  # preemptions: the request it made room for
     reason: str = ""
+    # PREEMPTED_MIGRATE: the decode worker that took the request over (its owner now).
+    peer_worker_id: str = ""
 
 
 @message("blk")

@@ -74,13 +74,16 @@ def test_link_model_moves_off_its_prior_with_measured_moves() -> None:
     links = LinkModel(COSTS)
     prior = links.move_s(10, TopologyClass.SAME_NODE)
     assert prior == COSTS.move_s(10, TopologyClass.SAME_NODE)
-    links.observe_move(TopologyClass.SAME_NODE, 1000, 1.0)  # too small to say anything
-    assert links.move_s(10, TopologyClass.SAME_NODE) == prior
     nbytes = 10 * COSTS.bytes_per_block
-    links.observe_move(TopologyClass.SAME_NODE, nbytes, 2.0)  # 50x slower than the prior
-    assert links.move_s(10, TopologyClass.SAME_NODE) > 20 * prior
+    links.observe_move(TopologyClass.SAME_NODE, nbytes, 2.0)  # ~50x slower than the prior
+    assert abs(links.move_s(10, TopologyClass.SAME_NODE) - 2.0) < 1e-6
     assert links.move_s(10, TopologyClass.SAME_DOMAIN) == COSTS.move_s(10,
                                                                        TopologyClass.SAME_DOMAIN)
+    # Moves of several sizes separate the fixed cost from the bandwidth: 5 ms + 1 GB/s.
+    for n in (1, 4, 16, 64, 2, 32):
+        links.observe_move(TopologyClass.CROSS_NODE, n << 20, 0.005 + (n << 20) / 1e9)
+    est = links.links[TopologyClass.CROSS_NODE]
+    assert abs(est.latency_s - 0.005) < 1e-4 and abs(est.bw / 1e9 - 1.0) < 0.01
     links.observe_swap(nbytes, 0.5)
     assert abs(links.swap_s(10) - 0.5) < 0.01
     assert links.snapshot()["same_node"]["num_samples"] == 1
@@ -151,7 +154,8 @@ def test_a_victim_migrates_to_a_peer_with_room_and_its_blocks_are_promised_there
     req = cs.get("low2")
     assert req.state is RequestState.DECODING and req.decode_worker_id == "d1"
     _held(cs, "d0", 44, {"low": 20}, 5.2, events=(
-        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.2, for_req_id="top"),))
+        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.2, for_req_id="top",
+                 peer_worker_id="d1"),))
     decisions = [r.decision for r in req.history]
     assert decisions.count(Decision.PREEMPT_MIGRATE) == 1
     assert decisions[-3:] == [Decision.PREEMPT_MIGRATE, Decision.PREEMPT_DONE,
@@ -166,8 +170,10 @@ def test_the_usual_order_of_reports_walks_the_same_states() -> None:
     cs.plan(5.0)
     cs.on_preempt_result("low2", "d0", True, 5.02)
     _held(cs, "d0", 44, {"low": 20}, 5.1, events=(
-        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.1, for_req_id="top"),))
+        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.1, for_req_id="top",
+                 peer_worker_id="d1"),))
     assert cs.get("low2").state is RequestState.PREEMPTED
+    assert cs.get("low2").decode_worker_id == "d1"  # handed off: the target owns it
     _held(cs, "d1", 9, {"low2": 31}, 5.2, events=(ReqEvent("low2", WorkerEvent.RESUMED_MIGRATE,
                                                            5.2),))
     req = cs.get("low2")
@@ -214,6 +220,30 @@ def test_a_target_that_dies_mid_migration_sends_the_request_back_to_recompute() 
     assert cs.get("low2") is None
     aborts = cs.plan(5.2).aborts
     assert [(a.req_id, a.error) for a in aborts] == [("low2", "worker_failed")]
+
+
+def test_a_target_that_dies_after_the_handoff_takes_the_request_with_it() -> None:
+    """The source handed the request off and freed its blocks; the target died before it
+    said it decodes: the request ends with worker_failed (its router retries it)."""
+    cs = _cluster()
+    _pressure(cs)
+    cs.plan(5.0)
+    cs.on_preempt_result("low2", "d0", True, 5.02)
+    _held(cs, "d0", 44, {"low": 20}, 5.1, events=(
+        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.1, for_req_id="top",
+                 peer_worker_id="d1"),))
+    assert cs.remove_worker("d1", 5.2) == ["low2"]
+    assert [(a.req_id, a.error) for a in cs.plan(5.2).aborts] == [("low2", "worker_failed")]
+
+
+def test_a_handoff_to_a_worker_already_gone_ends_the_request() -> None:
+    cs = _cluster()
+    _pressure(cs)
+    cs.remove_worker("d1", 5.0)
+    _held(cs, "d0", 44, {"low": 20}, 5.1, events=(
+        ReqEvent("low2", WorkerEvent.PREEMPTED_MIGRATE, 5.1, peer_worker_id="d1"),))
+    assert cs.get("low2") is None
+    assert [(a.req_id, a.error) for a in cs.plan(5.1).aborts] == [("low2", "worker_failed")]
 
 
 def test_the_source_dying_mid_migration_frees_the_target_reservation() -> None:
