@@ -664,40 +664,51 @@ class ClusterScheduler:
     def _victim_views(self, w: WorkerSlot, decode: list[WorkerSlot]) -> list[VictimView]:
         """``w``'s decoding requests as victims, priced by where their blocks are: the
         prefix blocks another request there shares (not freed, not recomputed), the room
-        of ``w``'s swap space, and (with migration) the peer decode worker it could move
-        to: one the policy would place it on now, the cheapest move away, with the blocks
+        of ``w``'s swap space, how long until ``w`` could take it back, and (with
+        migration) the peer decode worker it could move to now (the policy's
+        ``place_migration``: the cheapest move to a worker with room), with the blocks
         the peer already caches."""
         rids = [rid for rid in w.held if rid in self.live
                 and self.live[rid].req.state is S.DECODING and rid not in w.preempting
                 and self.live[rid].migrate_to is None]
         if not rids:
             return []
-        peers = ([p for p in decode if p is not w and p.is_alive] if self.migration else [])
+        peers = ([p for p in decode if p is not w and p.is_alive and not p.preempting]
+                 if self.migration else [])
+        release = self._release_rate(w)
         out = []
         for rid in rids:
             r = self.live[rid].req
             n = w.held[rid]
             shared = min(w.shared.get(rid, 0), n)
             peer, room, cached = self._peer_for(r, n, w, peers)
+            # Back in place only once w releases its blocks again (the arrival first).
+            wait = n / release if release else self.est.decode_token_s() * self.outputs.expected(r)
             out.append(VictimView(r, w.info, n, num_shared_blocks=shared, peer=peer,
                                   peer_room=room, num_peer_cached=cached,
-                                  swap_room=w.swap_room))
+                                  swap_room=w.swap_room, wait_s=wait))
         return out
+
+    def _release_rate(self, w: WorkerSlot) -> float | None:
+        """Blocks per second ``w``'s decodes give back as they finish (as admission
+        reads it): each its blocks once its expected output is done."""
+        pairs = []
+        for rid, blocks in w.held.items():
+            e = self.live.get(rid)
+            if e is not None and e.req.state is S.DECODING:
+                left = self.outputs.expected(e.req) - e.req.num_output_tokens
+                pairs.append((blocks, max(left, 1)))
+        return kv_release_rate(pairs, self.est.decode_token_s())
 
     def _peer_for(self, req: Request, num_blocks: int, w: WorkerSlot,
                   peers: list[WorkerSlot]) -> tuple[WorkerInfo | None, int, int]:
         """(peer, its free blocks, the request's blocks it caches) for a move of ``req``
         off ``w``; (None, 0, 0) when no peer would take it now."""
-        best: tuple[float, WorkerSlot] | None = None
-        for p in peers:
-            if self.policy.place_decode(req, num_blocks, [self._dview(p)], w.info) is None:
-                continue
-            move = self.links.move_s(num_blocks, topology_class(w.info, p.info))
-            if best is None or (move, -p.free_blocks) < (best[0], -best[1].free_blocks):
-                best = (move, p)
-        if best is None:
+        choice = self.policy.place_migration(req, num_blocks, [self._dview(p) for p in peers],
+                                             w.info)
+        if choice is None:
             return None, 0, 0
-        p = best[1]
+        p = self.workers[choice.view.info.worker_id]
         cached = (self.mirror.match_lens(req.block_hashes, [p.worker_id]).get(p.worker_id, 0)
                   if req.block_hashes else 0)
         return p.info, p.free_blocks, min(cached, num_blocks)

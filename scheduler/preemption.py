@@ -13,7 +13,9 @@ priced by a named scorer:
   has room for it), recompute (a prefill of its context, less the blocks another
   request keeps cached there), or a move to a peer decode worker with room (it
   migrates there and decodes on; priced by the link of the two workers' topology
-  class, less the blocks the peer already caches). Link figures are the workers'
+  class, less the blocks the peer already caches). Swap-in and recompute happen on
+  the victim's own worker once it has room again (``wait_s``, the kernel's estimate);
+  a migration does not wait. Link figures are the workers'
   measured ones (:mod:`scheduler.links`), recompute the fitted step costs. The
   cheapest restore path is also the victim's mode: SWAP, RECOMPUTE or MIGRATE.
 
@@ -72,6 +74,10 @@ class VictimView:
     # Free blocks of the host swap space of the victim's worker (victims of one plan share
     # them); None: unbounded. A swap that does not fit is never chosen.
     swap_room: int | None = None
+    # How long until its worker has room to take it back (swap-in or recompute happen
+    # there, after the request it makes room for): a migration to a peer with room now
+    # does not wait.
+    wait_s: float = 0.0
 
     @property
     def num_freed(self) -> int:
@@ -112,12 +118,12 @@ def restore_options(v: VictimView, costs: LinkPricer, est: ServiceEstimate,
     out: dict[PreemptMode, float] = {}
     room = v.swap_room if swap_room is None else swap_room
     if PreemptMode.SWAP in modes and (room is None or v.num_blocks <= room):
-        out[PreemptMode.SWAP] = costs.swap_s(v.num_blocks)
+        out[PreemptMode.SWAP] = v.wait_s + costs.swap_s(v.num_blocks)
     if PreemptMode.RECOMPUTE in modes:
         ctx = max(v.req.num_context_tokens, 1)
         # Blocks another request keeps cached here need no recompute.
         shared = min(ctx - 1, v.num_shared_blocks * ctx // max(v.num_blocks, 1))
-        out[PreemptMode.RECOMPUTE] = est.prefill_s(ctx - shared, shared)
+        out[PreemptMode.RECOMPUTE] = v.wait_s + est.prefill_s(ctx - shared, shared)
     peer_left = v.peer_room if peer_room is None else peer_room
     if PreemptMode.MIGRATE in modes and v.peer is not None and v.num_blocks <= peer_left:
         moved = max(v.num_blocks - v.num_peer_cached, 0)
