@@ -20,6 +20,7 @@ Python, no Ray.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ _RESUME = {Decision.RESUME_SWAP_IN: "swap", Decision.RESUME_RECOMPUTE: "recomput
 MODES = ("swap", "recompute", "migrate")
 # Samples kept per series (the oldest go first): enough for a bench's percentiles.
 MAX_SAMPLES = 20000
+# Restores listed one by one in the snapshot (the latest).
+RECENT = 32
 
 
 def summary(xs: list[float]) -> dict[str, float]:
@@ -52,6 +55,8 @@ class KVMemoryStats:
         self.paused_s: dict[str, list[float]] = {m: [] for m in MODES}
         self._since: dict[str, tuple[str, float]] = {}  # victim -> (mode, preempted at)
         self.memory: dict[str, KVMemoryReport] = {}
+        # The latest restores one by one: (request, mode, class, ms, cached tokens).
+        self.recent: deque[tuple[str, str, str, float, int]] = deque(maxlen=RECENT)
 
     def on_decision(self, rec: DecisionRecord) -> None:
         mode = _PREEMPT.get(rec.decision)
@@ -75,6 +80,7 @@ class KVMemoryStats:
             cls = ("host" if r.mode == "swap" else "same_device" if r.mode == "recompute"
                    else move_class(r.from_worker_id) or "unknown")
             _push(self.restore_s.setdefault((r.mode, cls), []), r.seconds)
+            self.recent.append((r.req_id, r.mode, cls, 1e3 * r.seconds, r.num_cached_tokens))
 
     def forget_worker(self, worker_id: str) -> None:
         self.memory.pop(worker_id, None)
@@ -96,7 +102,8 @@ class KVMemoryStats:
                 "restore": {m: summary(xs) for m, xs in by_mode.items()},
                 "restore_by_class": by_class,
                 "paused": {m: summary(xs) for m, xs in self.paused_s.items()},
-                "workers": workers, "links": links or {}}
+                "workers": workers, "links": links or {},
+                "recent_restores": [list(r) for r in self.recent]}
 
 
 def _push(xs: list[float], x: float) -> None:

@@ -127,8 +127,10 @@ class _Req:
     prefill_worker_id: str | None = None  # RECEIVING: whose KV it waits for
     inbound: Inbound | None = None  # RECEIVING by migration
     outbound: Outbound | None = None  # MIGRATING
-    # A recompute's first chunk started then (perf_counter): its restore time.
+    # A recompute's first chunk started then (perf_counter): its restore time; and the
+    # tokens of it the prefix cache still held.
     restore_t0: float | None = None
+    restore_cached: int = 0
 
     @property
     def router_id(self) -> str:
@@ -349,6 +351,8 @@ class DecodeWorker:
         free_before = self.engine.num_free_blocks
 
         def swap_or_recompute() -> tuple[str | None, int, float]:
+            if self.engine.request_state(req_id) is None:
+                return None, 0, 0.0  # it finished in the step that just ran
             n = len(self.engine.block_ids(req_id))
             t0 = time.perf_counter()
             if mode == PreemptMode.SWAP.value and self.engine.swap_out(req_id):
@@ -649,13 +653,17 @@ class DecodeWorker:
         decodes = [rid for rid in plan.decodes if rid in self._reqs]
         self._stepping = [*decodes, *(rid for rid, _ in plan.chunks)]
         t0 = time.perf_counter()
-        for rid, _ in plan.chunks:
-            r = self._reqs.get(rid)
-            if r is not None and r.num_streamed > 0 and r.restore_t0 is None:
-                r.restore_t0 = t0  # a recompute's first chunk
         outs, refused, blocks, computed, events = await self._thread.call(
             self._run, decodes, list(plan.chunks), self._protect())
         seconds: float | None = time.perf_counter() - t0
+        for rid, n in plan.chunks:
+            r = self._reqs.get(rid)
+            if (r is not None and r.num_streamed > 0 and r.restore_t0 is None
+                    and rid not in refused):
+                # A recompute's first chunk ran: its restore starts here; what the prefix
+                # cache still held of it needed no computing.
+                r.restore_t0 = t0
+                r.restore_cached = max(computed.get(rid, n) - n, 0)
         if any(o.error is not None for o in outs):
             seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
@@ -716,7 +724,8 @@ class DecodeWorker:
                     self._event(out.req_id, WorkerEvent.RESUMED_RECOMPUTE)
                     if r.restore_t0 is not None:
                         self.ledger.restored(out.req_id, PreemptMode.RECOMPUTE.value,
-                                             time.perf_counter() - r.restore_t0)
+                                             time.perf_counter() - r.restore_t0,
+                                             num_cached_tokens=r.restore_cached)
                     r.restore_t0 = None
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if out.finished and finish is None:

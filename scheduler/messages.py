@@ -498,6 +498,8 @@ class RestoreStat:
     mode: str  # scheduler.preemption.PreemptMode value
     seconds: float
     from_worker_id: str = ""  # migrate: the source
+    # recompute: context tokens the prefix cache still held (not computed again).
+    num_cached_tokens: int = 0
 
 
 @message("kvm")
