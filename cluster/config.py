@@ -102,6 +102,10 @@ class PoolsConfig(_Frozen):
     # would not fit is never attempted. 0: never swap.
     num_swap_blocks: int = Field(512, ge=0)
     swap_bytes: int | None = Field(None, ge=0)
+    # Reuse of cached KV blocks across requests (a prompt's shared prefix, a recompute's own
+    # blocks still cached). Off: every prefill and recompute computes all its tokens (a
+    # measurement of the uncached cost, bench-pressure's migration probe).
+    prefix_caching: bool = True
     prefill_chunk_size: int = Field(256, ge=1)
     # CUDA graphs of decode-only steps up to this batch (flex attention on CUDA); 0: none.
     cuda_graph_max_batch: int = Field(64, ge=0, le=1024)

@@ -89,6 +89,7 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
             # Only decode workers swap (prefill workers hand their blocks on).
             num_swap_blocks=p.num_swap_blocks if role == "decode" else 0,
             swap_bytes=p.swap_bytes if role == "decode" else None,
+            enable_prefix_caching=p.prefix_caching,
             **budget,
         )
         return LLMEngine(ec)
