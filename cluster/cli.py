@@ -25,6 +25,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("cluster.bench_http", "replay a trace through a running endpoint over HTTP"),
     "bench-control": ("cluster.bench_control",
                       "requests per second through router and scheduler (stub engines)"),
+    "bench-pressure": ("cluster.bench_pressure",
+                       "KV memory pressure on a real cluster: preemption modes, restore "
+                       "times, swap, tier attainment per policy"),
     "why": ("cluster.why_cli", "explain why a request was late"),
     "drill": ("cluster.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
 }
