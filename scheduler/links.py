@@ -42,11 +42,14 @@ class LinkEstimate:
     """One link: time = latency + bytes / bandwidth, the prior's figures until measured,
     then a least-squares fit of the recent samples (each weighs ``1 - alpha`` of the one
     after it). Samples of one size cannot separate the two terms: the latency then stays
-    the prior's and the bandwidth takes the rest of the mean time."""
+    the prior's and the bandwidth takes the rest of the mean time. Samples of several
+    sizes whose time grows no faster than the prior's bandwidth say the link's cost is
+    fixed: the bandwidth stays the prior's and the latency takes the rest."""
 
     bw: float  # bytes per second
     latency_s: float
     num_samples: int = 0
+    _prior_bw: float = -1.0
     # Decayed sums of the samples (weights, bytes, seconds, bytes^2, bytes x seconds).
     _w: float = 0.0
     _x: float = 0.0
@@ -57,7 +60,7 @@ class LinkEstimate:
 
     def observe(self, num_bytes: int, seconds: float, alpha: float) -> None:
         if self._prior_latency_s < 0:
-            self._prior_latency_s = self.latency_s
+            self._prior_latency_s, self._prior_bw = self.latency_s, self.bw
         keep = 1.0 - alpha
         x, y = float(num_bytes), float(seconds)
         self._w = self._w * keep + 1.0
@@ -68,9 +71,16 @@ class LinkEstimate:
         self.num_samples += 1
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
-        slope = (self._xy / self._w - mx * my) / var if var > (0.1 * mx) ** 2 else 0.0
+        sizes_vary = var > (0.1 * mx) ** 2
+        slope = (self._xy / self._w - mx * my) / var if sizes_vary else 0.0
         latency = my - slope * mx
-        if slope <= 0 or latency < 0:  # one size, or noise: keep the prior's latency
+        if sizes_vary and slope <= 1.0 / self._prior_bw:
+            # Several sizes, and time does not grow with size faster than the prior's
+            # bandwidth says: a fixed cost dominates (a busy host's scheduling, not the
+            # wire); spreading it over the bytes would price big moves far too high.
+            latency = max(my - mx / self._prior_bw, 0.0)
+            slope = 1.0 / self._prior_bw
+        elif slope <= 0 or latency < 0:  # one size, or noise: keep the prior's latency
             latency = min(self._prior_latency_s, 0.9 * my)
             slope = (my - latency) / mx
         self.latency_s, self.bw = latency, 1.0 / slope

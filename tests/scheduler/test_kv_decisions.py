@@ -84,6 +84,13 @@ def test_link_model_moves_off_its_prior_with_measured_moves() -> None:
         links.observe_move(TopologyClass.CROSS_NODE, n << 20, 0.005 + (n << 20) / 1e9)
     est = links.links[TopologyClass.CROSS_NODE]
     assert abs(est.latency_s - 0.005) < 1e-4 and abs(est.bw / 1e9 - 1.0) < 0.01
+    # Several sizes at one time (a busy host's fixed cost, not the wire's): the latency
+    # takes it, the bandwidth stays the prior's, so a big move is not priced as if every
+    # byte had paid it.
+    for n in (4, 64, 16, 128, 8, 96):
+        links.observe_move(TopologyClass.SAME_DOMAIN, n * COSTS.bytes_per_block, 0.3)
+    est = links.links[TopologyClass.SAME_DOMAIN]
+    assert est.bw == COSTS.bw[TopologyClass.SAME_DOMAIN] and 0.25 < est.latency_s <= 0.3
     links.observe_swap(nbytes, 0.5)
     assert abs(links.swap_s(10) - 0.5) < 0.01
     assert links.snapshot()["same_node"]["num_samples"] == 1
