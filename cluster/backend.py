@@ -164,7 +164,7 @@ class _Live:
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, retry_resume_s: float = 8.0) -> None:
         self._sched = scheduler
         self._decode = decode_handles
         self._tokenizer = tokenizer
@@ -172,6 +172,7 @@ class ClusterBackend:
         self._max_model_len = max_model_len
         self._rpc_timeout_s = rpc_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._retry_resume_s = retry_resume_s
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         # The router's request id -> the id of its current attempt in the cluster.
         self._attempt: dict[str, str] = {}
@@ -380,6 +381,7 @@ class ClusterBackend:
                                f"tier {spec.tier} is being shed (overload)", retry_after_s=wait)
         produced: list[int] = []
         attempt = 0
+        failed_at: float | None = None  # monotonic time the last attempt failed
         first_token_time: float | None = None
         current = replace(spec, router_id=self.router_id)
         try:
@@ -402,12 +404,14 @@ class ClusterBackend:
                                            retry_after_s=ans.retry_after_s or RETRY_AFTER_S)
                     lv.is_accepted = True
                     while True:
-                        d = await lv.queue.get()
+                        d = await self._next_delta(lv, current, failed_at)
                         if d.error:
                             failure = d.error
                             break
                         if d.token_ids and first_token_time is None:
                             first_token_time = time.time()
+                        if d.token_ids:
+                            failed_at = None  # resumed: the bound is met
                         produced.extend(d.token_ids)
                         finish = FinishReason(d.finish) if d.finish else None
                         if d.token_ids or finish:
@@ -420,6 +424,8 @@ class ClusterBackend:
                 finally:
                     self._live.pop(current.req_id, None)
                 attempt += 1
+                if failed_at is None:
+                    failed_at = time.monotonic()
                 self._finish(current, first_token_time, len(produced), "worker_failed", spec)
                 log.warning("request %s attempt %d failed: %s", spec.req_id, attempt, failure)
                 left = spec.sampling.max_tokens - len(produced)
@@ -437,6 +443,25 @@ class ClusterBackend:
                                           spec.sampling.seed))
         finally:
             self._attempt.pop(spec.req_id, None)
+
+    async def _next_delta(self, lv: _Live, current: GenerationSpec,
+                          failed_at: float | None) -> WireDelta:
+        """The attempt's next delta. A retry that has not produced a token within
+        ``retry_resume_s`` of the failure ends with a clear error (its attempt is aborted in
+        the cluster): a request in flight when a worker failed resumes or fails within a
+        bound, never waits out a replacement's start and a long recompute in silence."""
+        if failed_at is None or self._retry_resume_s <= 0:
+            return await lv.queue.get()
+        left = failed_at + self._retry_resume_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(lv.queue.get(), max(left, 0.0))
+        except TimeoutError:
+            await self.abort(current.req_id)
+            raise BackendError(
+                BackendErrorKind.UNAVAILABLE,
+                f"the request's worker failed and its retry did not resume within "
+                f"{self._retry_resume_s:g} s (router.retry_resume_timeout_s)",
+                retry_after_s=RETRY_AFTER_S) from None
 
     async def _submit_patiently(self, spec: GenerationSpec, *, retrying: bool) -> SubmitAnswer:
         """Submit; a retry that finds no live worker (or no scheduler) tries again for up

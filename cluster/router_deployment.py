@@ -68,7 +68,8 @@ class RouterIngress:
         else:
             tokenizer = await asyncio.to_thread(HFTokenizer.from_path, tokenizer_path)
         self._backend = ClusterBackend(sched, handles, tokenizer, model_name, max_model_len,
-                                       rc.rpc_timeout_s, rc.request_timeout_s)
+                                       rc.rpc_timeout_s, rc.request_timeout_s,
+                                       rc.retry_resume_timeout_s)
 
     def __serve_build_asgi_app__(self) -> Any:
         rc = self._cfg.router

@@ -119,9 +119,12 @@ def main() -> int:
                        "load_s": round(time.perf_counter() - started, 1)})
             elif op == "generate":
                 assert side is not None, "init first"
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 outputs = side.generate(msg["prompts"], int(msg["max_tokens"]))
-                reply({"ok": True, "seconds": time.perf_counter() - started, "outputs": outputs})
+                # CPU time of the whole process (every thread): on a shared host it counts
+                # what this side computed, not the time other jobs held the core
+                reply({"ok": True, "seconds": time.perf_counter() - started,
+                       "cpu_seconds": time.process_time() - cpu_started, "outputs": outputs})
             elif op == "exit":
                 reply({"ok": True, "peak_rss_bytes": peak_rss_bytes()})
                 break

@@ -18,6 +18,7 @@ from cluster.backend import ClusterBackend
 from cluster.messages import pack
 from router.backend import BackendError, BackendErrorKind
 from scheduler.messages import (
+    AbortBatch,
     Claim,
     ClaimAnswer,
     GenerationSpec,
@@ -192,6 +193,58 @@ def test_requests_the_restarted_scheduler_lost_are_retried_without_repeating_tok
         dec.send("a-r1", (9, 10, 11, 12), "length")
         delta = await nxt
         assert delta.token_ids == (9, 10, 11, 12) and delta.finish is not None
+        await stream.aclose()
+
+    asyncio.run(go())
+
+
+def make_bounded_backend(resume_s: float) -> tuple[ClusterBackend, FakeScheduler, FakeDecode]:
+    sched, dec = FakeScheduler(), FakeDecode()
+    aborted: list[str] = []
+    sched.aborted = aborted  # type: ignore[attr-defined]
+
+    async def abort(raw: bytes) -> None:
+        aborted.extend(decode(raw, AbortBatch).req_ids)
+
+    sched.abort = Method(abort)
+    return (ClusterBackend(sched, {"d0": dec}, ByteTokens(), "m", 1024, 2.0, 60.0,
+                           retry_resume_s=resume_s), sched, dec)
+
+
+def test_a_retry_that_does_not_resume_within_the_bound_ends_with_a_clear_error() -> None:
+    async def go() -> None:
+        backend, sched, dec = make_bounded_backend(0.3)
+        stream = backend.generate(spec("a"))
+        first = asyncio.get_running_loop().create_task(anext(stream))
+        await wait_for(lambda: len(sched.submitted) == 1)
+        dec.send("a", (7,))
+        assert (await first).token_ids == (7,)
+        nxt = asyncio.get_running_loop().create_task(anext(stream))
+        dec.queue.put_nowait(encode(TokenBatch("d0", (TokenDelta("a", (), error="worker_failed"),))))
+        await wait_for(lambda: len(sched.submitted) == 2)  # retried from the streamed token
+        assert sched.submitted[1].prompt_token_ids == (1, 2, 3, 7)
+        with pytest.raises(BackendError) as e:  # the retry streams nothing: a clear end
+            await nxt
+        assert e.value.kind is BackendErrorKind.UNAVAILABLE and e.value.retry_after_s
+        assert "did not resume within 0.3 s" in str(e.value)
+        assert sched.aborted == ["a-r1"]  # the silent attempt is not left in the cluster
+
+    asyncio.run(go())
+
+
+def test_a_retry_that_resumes_within_the_bound_streams_on() -> None:
+    async def go() -> None:
+        backend, sched, dec = make_bounded_backend(5.0)
+        stream = backend.generate(spec("a"))
+        first = asyncio.get_running_loop().create_task(anext(stream))
+        await wait_for(lambda: len(sched.submitted) == 1)
+        dec.queue.put_nowait(encode(TokenBatch("d0", (TokenDelta("a", (), error="worker_failed"),))))
+        await wait_for(lambda: len(sched.submitted) == 2)
+        dec.send("a-r1", (4, 5))
+        assert (await first).token_ids == (4, 5)
+        dec.send("a-r1", (6,), "length")
+        assert (await anext(stream)).finish is not None
+        assert sched.aborted == []
         await stream.aclose()
 
     asyncio.run(go())
