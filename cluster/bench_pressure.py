@@ -407,6 +407,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench-pressure: {policy} at {rate} req/s", flush=True)
             runs[policy] = run_one(args, model, policy, rate)
             _print(policy, runs[policy])
+            if args.json_out:  # what has run so far, should a later run not finish
+                _write(args.json_out, {"partial": True, "by_rate": {**by_rate,
+                                                                    str(rate): runs}})
         by_rate[str(rate)] = {p: runs[p] for p in policies}
     headline = _headline(by_rate, policies)
     probe = None
@@ -423,9 +426,13 @@ def run(args: argparse.Namespace) -> int:
                                            if k != "json_out"},
               "tier_mix": TIER_MIX, "shapes": SHAPES}
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        _write(args.json_out, result)
     return 0
+
+
+def _write(out: str, result: dict[str, Any]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
 
 
 def _headline(by_rate: dict[str, dict[str, Any]], policies: list[str]) -> float:
