@@ -147,7 +147,19 @@ class PeerProcess:
         return reply
 
     def freeze(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
+        """SIGSTOP the peer and return once every one of its threads has stopped (the
+        signal is delivered asynchronously: a thread woken meanwhile could still act)."""
+        pid = self.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                states = [_thread_state(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")]
+            except FileNotFoundError:
+                return
+            if all(st in ("T", "t", None) for st in states):
+                return
+            time.sleep(0.005)
 
     def thaw(self) -> None:
         os.kill(self.process.pid, signal.SIGCONT)
@@ -169,3 +181,12 @@ class PeerProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
+
+
+def _thread_state(pid: int, tid: str) -> str | None:
+    """A thread's scheduler state from /proc (``T``: stopped), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
