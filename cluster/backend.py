@@ -164,7 +164,7 @@ class _Live:
 class ClusterBackend:
     def __init__(self, scheduler: Any, decode_handles: dict[str, Any], tokenizer: HFTokenizer,
                  model_name: str, max_model_len: int, rpc_timeout_s: float,
-                 request_timeout_s: float, retry_resume_s: float = 8.0) -> None:
+                 request_timeout_s: float, retry_resume_s: float = 7.0) -> None:
         self._sched = scheduler
         self._decode = decode_handles
         self._tokenizer = tokenizer

@@ -243,9 +243,10 @@ class RouterConfig(_Frozen):
     rpc_timeout_s: float = Field(10.0, gt=0)
     # A request retried after its worker failed ends with a clear error when the retry has
     # streamed nothing this long after the router heard of the failure (0: wait as long as
-    # request_timeout_s). With the 1 to 2 s it takes to detect a death, 8 s keeps every
-    # request in flight at a fault resumed or clearly ended within 10 s of it.
-    retry_resume_timeout_s: float = Field(8.0, ge=0)
+    # request_timeout_s). A death is detected within 3 s (the supervisor's ping timeout;
+    # a killed actor's calls fail sooner), so 7 s keeps every request in flight at a
+    # fault resumed or clearly ended within 10 s of it.
+    retry_resume_timeout_s: float = Field(7.0, ge=0)
     max_tokens_limit: int = Field(4096, ge=1)
     default_max_tokens: int = Field(256, ge=1)
     # Request bodies over this many bytes are refused (413) before they are parsed.

@@ -209,8 +209,9 @@ def _make_prefill_actor() -> Any:
                                              self.namespace)
 
         async def start_request(self, msg: bytes) -> str | None:
-            # Not set up: raises, which the decode worker reads as "unreachable" (the
-            # request goes back to the queue), not as a refusal of the request itself.
+            # Not set up: raises, which the decode worker reads as "unreachable" (that
+            # attempt ends with worker_failed and its router retries it), not as a refusal
+            # of the request itself.
             return await self._ready().start_request(decode(msg, StartPrefill))
 
     return PrefillWorkerActor

@@ -230,7 +230,11 @@ class DecodeWorker:
                                                 StartPrefill(spec, self.worker_id, ticket))
         except Exception as e:  # the prefill worker is gone: give the blocks back
             log.warning("start of %s on %s failed: %s", rid, msg.prefill_worker_id, e)
-            refusal, fatal = "prefill worker unreachable", False
+            # This attempt ends with a retryable error, as one its dead prefill worker was
+            # still computing: the router retries it and bounds the retry's silence
+            # (router.retry_resume_timeout_s), where a silent requeue could wait out a
+            # replacement's start or a long prefill elsewhere.
+            refusal, fatal = "worker_failed", True
         else:
             fatal = refusal is not None
         if refusal is not None:

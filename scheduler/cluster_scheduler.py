@@ -46,6 +46,7 @@ from typing import Protocol
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
 from scheduler.links import LinkModel
 from scheduler.messages import (
+    RETRYABLE_ERRORS,
     BlockEvent,
     HeldRequest,
     HeldStage,
@@ -771,7 +772,9 @@ class ClusterScheduler:
         if fatal:
             e.is_dispatching = False
             req.prefill_worker_id = req.decode_worker_id = None
-            self._end(req_id, now, D.ERROR, f"dispatch:{reason}", error=reason or "refused")
+            # worker_failed: the prefill worker was gone; the router retries the request
+            decision = D.WORKER_FAILED if reason in RETRYABLE_ERRORS else D.ERROR
+            self._end(req_id, now, decision, f"dispatch:{reason}", error=reason or "refused")
             return
         # Refused (a stale view of its free blocks, or the worker is going away): requeue.
         for w in self.workers.values():

@@ -150,6 +150,21 @@ def test_worker_events_walk_the_state_machine_to_the_end() -> None:
     assert cs.workers["d0"].held == {}
 
 
+def test_a_dispatch_its_prefill_worker_could_not_take_ends_for_the_router_to_retry() -> None:
+    # The decode worker could not reach the prefill worker (dead, restarting): the attempt
+    # ends with worker_failed, which the router retries under its resume bound.
+    cs = make_cluster()
+    submit(cs, "a", 1, 100, now=0.0)
+    assert cs.plan(0.0).dispatches
+    req = cs.get("a")
+    cs.on_dispatch_result("a", False, 0.01, num_free_blocks=90, reason="worker_failed",
+                          fatal=True)
+    assert cs.get("a") is None
+    plan = cs.plan(0.02)
+    assert [(a.req_id, a.error) for a in plan.aborts] == [("a", "worker_failed")]
+    assert req.history[-1].decision is Decision.WORKER_FAILED
+
+
 def test_dead_decode_worker_ends_its_requests_with_a_retryable_error() -> None:
     cs = make_cluster()
     submit(cs, "a", 1, 50, now=0.0)
