@@ -11,6 +11,10 @@ Data flow of ``generate(spec)``::
         -> the request's queue -> TokenDelta ... finish
     scheduler.finish(FinishBatch)  client-side timings, batched, after the last token
 
+A request that migrates to another decode worker keeps its stream: the target repeats its
+output from index 0 (``TokenDelta.start``) and the router hands on only what it has not
+seen, so neither stream's timing can cause a gap or a repeated token.
+
 A request whose decode worker dies (its subscription breaks) or that the cluster ends
 with a retryable error (``worker_failed``, ``transfer_failed``, ``scheduler_restarted``)
 is retried on the live workers: the new attempt's prompt is the original prompt plus the
@@ -35,7 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.messages import unpack
@@ -135,6 +139,36 @@ class _Live:
     queue: asyncio.Queue[WireDelta]
     worker_id: str | None = None
     is_accepted: bool = False  # the scheduler took it: it is in a Claim
+    # Output tokens of this attempt handed on so far. A request that migrated to another
+    # decode worker gets deltas that say where they sit (``start``): the target repeats
+    # the output from 0, and from then on only its stream counts (``indexed_by``).
+    num_tokens: int = 0
+    indexed_by: str | None = None
+    pending: list[WireDelta] = field(default_factory=list)  # after a gap, until it fills
+
+    def accept(self, d: WireDelta, worker_id: str) -> list[WireDelta]:
+        """What to hand on of ``d`` from ``worker_id``: every token once, in order,
+        whichever of a migration's two streams brings it first."""
+        if d.start is None:
+            if self.indexed_by is not None and worker_id != self.indexed_by:
+                return []  # the source's last tokens: the target repeated them already
+            self.num_tokens += len(d.token_ids)
+            return [d]
+        skip = self.num_tokens - d.start
+        if skip < 0:
+            self.pending.append(d)  # tokens before it are still on their way
+            return []
+        self.indexed_by = worker_id
+        out: list[WireDelta] = []
+        tokens = d.token_ids[skip:]
+        if tokens or d.finish or d.error:
+            out.append(replace(d, token_ids=tokens, start=None))
+            self.num_tokens += len(tokens)
+        ready = [p for p in self.pending if p.start is not None and p.start <= self.num_tokens]
+        for p in sorted(ready, key=lambda p: p.start or 0):
+            self.pending.remove(p)
+            out.extend(self.accept(p, worker_id))
+        return out
 
 
 class ClusterBackend:
@@ -212,8 +246,9 @@ class ClusterBackend:
                     for d in batch.deltas:
                         lv = self._live.get(d.req_id)
                         if lv is not None:
-                            lv.worker_id = worker_id
-                            lv.queue.put_nowait(d)
+                            for kept in lv.accept(d, worker_id):
+                                lv.worker_id = worker_id
+                                lv.queue.put_nowait(kept)
             except asyncio.CancelledError:
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:

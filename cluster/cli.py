@@ -27,6 +27,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "guidellm, aiperf and vllm bench serve against a running endpoint"),
     "bench-control": ("cluster.bench_control",
                       "requests per second through router and scheduler (stub engines)"),
+    "bench-pressure": ("cluster.bench_pressure",
+                       "KV memory pressure on a real cluster: preemption modes, restore "
+                       "times, swap, tier attainment per policy"),
     "why": ("cluster.why_cli", "explain why a request was late"),
     "drill": ("cluster.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
 }

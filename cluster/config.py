@@ -96,8 +96,16 @@ class PoolsConfig(_Frozen):
     num_kv_blocks: int | None = Field(None, ge=2)
     kv_cache_bytes: int | None = Field(None, ge=1)
     kv_cache_memory_fraction: float | None = Field(None, gt=0, le=0.95)
-    # CPU blocks each decode worker may swap out to.
+    # The host swap space of each decode worker (engine/swap_space.py): at most this many
+    # KV blocks swapped out at once, and at most ``swap_bytes`` when set (the smaller wins).
+    # When it is full the kernel preempts by migration or recompute instead; a swap that
+    # would not fit is never attempted. 0: never swap.
     num_swap_blocks: int = Field(512, ge=0)
+    swap_bytes: int | None = Field(None, ge=0)
+    # Reuse of cached KV blocks across requests (a prompt's shared prefix, a recompute's own
+    # blocks still cached). Off: every prefill and recompute computes all its tokens (a
+    # measurement of the uncached cost, bench-pressure's migration probe).
+    prefix_caching: bool = True
     prefill_chunk_size: int = Field(256, ge=1)
     # CUDA graphs of decode-only steps up to this batch (flex attention on CUDA); 0: none.
     cuda_graph_max_batch: int = Field(64, ge=0, le=1024)

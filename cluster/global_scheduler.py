@@ -45,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from cluster.kv_memory_stats import KVMemoryStats
 from cluster.why import RequestLog, TransferInfo, explain
 from engine.service import wait_event
 from router.metrics import CONTENT_TYPE, MetricsRecorder
@@ -75,7 +76,7 @@ from scheduler.messages import (
 from scheduler.request import Decision, DecisionRecord, Request, RequestState
 from scheduler.step_costs import CPU_PRIOR
 from scheduler.tiers import TierConfig
-from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo
+from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_class
 
 if TYPE_CHECKING:
     from cluster.tracing import RequestTracer
@@ -91,7 +92,10 @@ class WorkerClient(Protocol):
     async def dispatch(self, worker_id: str, msg: Dispatch) -> DispatchAnswer: ...
 
     async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None) -> bool: ...
+                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
+        """Swap, recompute or (``target_worker_id`` set) migrate ``req_id``; False: the
+        worker did not (it no longer decodes it, or the target would not take it)."""
+        ...
 
     async def abort(self, worker_id: str, req_id: str) -> None: ...
 
@@ -133,14 +137,17 @@ class GlobalScheduler:
         self.core = ClusterScheduler(tiers, policy_name, block_size, link_costs, mode=mode,
                                      cost_prior=cost_prior, chunk_tokens=chunk_tokens,
                                      local_prefill_max_tokens=local_prefill_max_tokens,
-                                     observer=self)
+                                     observer=self, migration=True)
         self.policy = self.core.policy
         self.specs: dict[str, GenerationSpec] = {}
         self.transfers: dict[str, list[TransferInfo]] = {}
         self.logs: OrderedDict[str, RequestLog] = OrderedDict()
         self.transfers_by_class: dict[str, int] = {c.value: 0 for c in TopologyClass}
-        # "tier:mode" -> preemptions seen (swap / recompute), for stats and tests.
+        # "tier:mode" -> preemptions the kernel ordered for an arrival and the worker
+        # carried out (swap / recompute / migrate), for stats and tests.
         self.preemptions: dict[str, int] = {}
+        # Every preemption by mode, restore times, swap spaces, prefix caches, links.
+        self.kv_stats = KVMemoryStats()
         self.tracer = tracer
         self._notices: dict[str, asyncio.Queue[bytes]] = {}
         self._pending_notices: dict[str, list[Notice]] = {}
@@ -170,6 +177,7 @@ class GlobalScheduler:
         log.warning("worker %s removed; %d requests end with worker_failed", worker_id,
                     len(lost))
         self.metrics.forget_worker(worker_id)
+        self.kv_stats.forget_worker(worker_id)
         if not slot.can_decode:
             self._release_waiting_on(worker_id, None)
         self._kick()
@@ -277,7 +285,19 @@ class GlobalScheduler:
         if w is not None:
             self.metrics.set_kv_usage(rep.worker_id, rep.num_total_blocks - rep.num_free_blocks,
                                       rep.num_total_blocks)
+            if rep.memory is not None:
+                self.kv_stats.on_memory(rep.worker_id, rep.memory,
+                                        lambda src: self._move_class(src, rep.worker_id))
+                m = rep.memory
+                self.metrics.set_kv_memory(rep.worker_id, m.num_swap_used, m.num_swap_peak,
+                                           m.num_prefix_query_blocks, m.num_prefix_hit_blocks)
         self._kick()
+
+    def _move_class(self, src_id: str, dst_id: str) -> str | None:
+        src, dst = self.core.workers.get(src_id), self.core.workers.get(dst_id)
+        if src is None or dst is None:
+            return None
+        return topology_class(src.info, dst.info).value
 
     # -- requests ------------------------------------------------------------------------
 
@@ -427,14 +447,16 @@ class GlobalScheduler:
     async def _preempt(self, p: PreemptOrder) -> None:
         req = self.core.get(p.req_id)
         try:
-            ok = await self.client.preempt(p.worker_id, p.req_id, p.mode.value, p.for_req_id)
+            ok = await self.client.preempt(p.worker_id, p.req_id, p.mode.value, p.for_req_id,
+                                           p.target_worker_id)
         except WorkerGone:
             self.worker_failed(p.worker_id)
             return
-        self.core.on_preempt_result(p.req_id, p.worker_id, ok)
-        if ok and req is not None:
+        self.core.on_preempt_result(p.req_id, p.worker_id, ok, time.time())
+        if ok and req is not None and p.for_req_id is not None:
             key = f"{req.tier}:{p.mode.value}"
             self.preemptions[key] = self.preemptions.get(key, 0) + 1
+        self._kick()
 
     def _apply_abort(self, loop: asyncio.AbstractEventLoop, a: AbortOrder) -> None:
         if a.error is not None and a.router_id:
@@ -453,6 +475,7 @@ class GlobalScheduler:
 
     def on_decision(self, rec: DecisionRecord, tier: int) -> None:
         self.metrics.on_decision(rec, tier)
+        self.kv_stats.on_decision(rec)
 
     def on_prefix_lookup(self, num_blocks: int, num_hit: int) -> None:
         self.metrics.on_prefix_lookup(num_blocks, num_hit)
@@ -518,6 +541,7 @@ class GlobalScheduler:
                                       for req, _, _ in self.core.entries()),
             "transfers_by_class": dict(self.transfers_by_class),
             "preemptions": dict(self.preemptions),
+            "kv_memory": self.kv_stats.snapshot(self.core.links.snapshot()),
             "workers": {wid: {"alive": w.is_alive, "free": w.num_free_blocks,
                               "total": w.info.num_kv_blocks, "domain": w.info.domain,
                               # requests decoding (or reserved) here / prefilling here

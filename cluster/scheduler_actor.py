@@ -102,8 +102,9 @@ class RayWorkerClient:
         return decode(await self._call(worker_id, "dispatch", encode(msg)), DispatchAnswer)
 
     async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None) -> bool:
-        return bool(await self._call(worker_id, "preempt", req_id, mode, for_req_id))
+                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
+        return bool(await self._call(worker_id, "preempt", req_id, mode, for_req_id,
+                                     target_worker_id))
 
     async def abort(self, worker_id: str, req_id: str) -> None:
         await self._call(worker_id, "abort", req_id)
@@ -179,7 +180,7 @@ class SchedulerService:
         device = str(info["location"]["device"])
         p = self.cfg.pools
         return GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
-                               p.block_size, self.client, link_costs(bpb),
+                               p.block_size, self.client, link_costs(bpb, device),
                                mode=PoolMode(self.cfg.pool_mode),
                                control_interval_s=self.cfg.scheduling.control_interval_s,
                                cost_prior=cost_prior(device),

@@ -1,7 +1,8 @@
 """The Ray actors around the plain worker classes: typed messages as msgpack bytes.
 
 ``DecodeWorkerActor`` wraps :class:`decode_pool.worker.DecodeWorker` (dispatch, first
-tokens from prefill workers, the routers' token subscriptions, aborts, preemptions);
+tokens from prefill workers, the routers' token subscriptions, aborts, preemptions, and
+requests migrating in from another decode worker);
 ``PrefillWorkerActor`` wraps :class:`prefill_pool.worker.PrefillWorker`. The classes are
 built on first use, so importing this module needs no Ray. Both live here, on the top
 floor, because building a worker needs the cluster's configuration and topology; the
@@ -33,6 +34,8 @@ from scheduler.messages import (
     AbortBatch,
     Dispatch,
     DispatchAnswer,
+    MigrateAnswer,
+    MigrateIn,
     PrefilledBatch,
     StartPrefill,
     WorkerHello,
@@ -168,10 +171,19 @@ def _make_decode_actor() -> Any:
             for rid in decode(msg, AbortBatch).req_ids:
                 await self.abort(rid)
 
-        async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
+        async def preempt(self, req_id: str, mode: str, for_req_id: str | None,
+                          target_worker_id: str | None = None) -> bool:
             if self._w is None:
                 return False
-            return await self._w.preempt(req_id, mode, for_req_id)
+            return await self._w.preempt(req_id, mode, for_req_id, target_worker_id)
+
+        async def migrate_in(self, msg: bytes) -> bytes:
+            m = decode(msg, MigrateIn)
+            try:
+                w = self._ready()
+            except WorkerStarting:
+                return encode(MigrateAnswer(m.spec.req_id, None, "starting"))
+            return encode(await w.migrate_in(m))
 
         async def release_waiting(self, prefill_worker_id: str,
                                   req_ids: list[str] | None) -> list[str]:

@@ -47,6 +47,7 @@ _ENGINE_SETTINGS = {
     "kv_cache_fraction": "pools.kv_cache_memory_fraction",
     "attention": "model.attention", "block_size": "pools.block_size",
     "cuda_graph_max_batch": "pools.cuda_graph_max_batch",
+    "num_swap_blocks": "pools.num_swap_blocks", "swap_bytes": "pools.swap_bytes",
 }
 
 
@@ -85,6 +86,10 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
             max_num_seqs=p.max_num_seqs,
             attention=cfg.model.attention,
             cuda_graph_max_batch=p.cuda_graph_max_batch,
+            # Only decode workers swap (prefill workers hand their blocks on).
+            num_swap_blocks=p.num_swap_blocks if role == "decode" else 0,
+            swap_bytes=p.swap_bytes if role == "decode" else None,
+            enable_prefix_caching=p.prefix_caching,
             **budget,
         )
         return LLMEngine(ec)

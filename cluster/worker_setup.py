@@ -1,8 +1,9 @@
 """Building a worker inside its Ray actor: engine, KV endpoint, policy, links to peers.
 
 Called once from each worker actor's ``setup()``: loads the model (off the event loop),
-finds the worker's node / device / NVLink domain, opens the kvtransfer endpoint
-(consumer on decode workers, producer on prefill workers), builds the scheduling policy
+finds the worker's node / device / NVLink domain, opens the kvtransfer endpoints
+(a consumer and, for migrations out, a producer on decode workers; a producer on prefill
+workers), builds the scheduling policy
 the worker composes its steps with (its estimate is the worker's own learned
 ``StepCosts``), and wires its reports to the global scheduler (through its
 :class:`~cluster.scheduler_link.SchedulerLink`) and the calls to its peers. Every remote
@@ -19,7 +20,15 @@ from cluster.config import ClusterConfig
 from cluster.scheduler_link import SchedulerLink
 from cluster.worker_runtime import build_engine, locate
 from engine.service import bytes_per_block
-from scheduler.messages import PrefilledBatch, StartPrefill, encode
+from scheduler.links import LinkModel
+from scheduler.messages import (
+    MigrateAnswer,
+    MigrateIn,
+    PrefilledBatch,
+    StartPrefill,
+    decode,
+    encode,
+)
 from scheduler.step_costs import CPU_PRIOR, GPU_PRIOR, StepCosts
 from scheduler.step_planner import WorkerLimits
 from scheduler.topology import WorkerRole
@@ -29,17 +38,27 @@ RPC_TIMEOUT_S = 10.0
 
 def peer_timeout(cfg: ClusterConfig) -> float:
     """A call to a peer made inside a call from the scheduler (a dispatch starting its
-    prefill) must give up before the scheduler's call does, or a slow peer would look like
+    prefill, a migration asking its target) must give up before the scheduler's call does, or a slow peer would look like
     a dead caller."""
     return min(RPC_TIMEOUT_S, cfg.router.rpc_timeout_s / 2)
 
 
-def link_costs(bytes_per_block: int) -> Any:
-    """Prior link costs per topology class (the workers' measured rates refine the
-    transfer figures in /metrics; the kernel prices moves with these)."""
+def link_costs(bytes_per_block: int, device: str = "cuda") -> Any:
+    """Prior link costs per topology class and of the host link, by device: the kernel's
+    link model (scheduler.links) starts from these and moves to what the workers measure
+    (every migration and swap they time). GPU: NVLink, PCIe and network figures; CPU:
+    gloo over TCP between processes, a memory copy for a swap."""
     from scheduler.topology import LinkCosts, TopologyClass
 
     gb = 1e9
+    if not device.startswith("cuda"):
+        return LinkCosts(
+            bytes_per_block=bytes_per_block,
+            bw={TopologyClass.SAME_DEVICE: 4 * gb, TopologyClass.SAME_DOMAIN: 1.5 * gb,
+                TopologyClass.SAME_NODE: 1.5 * gb, TopologyClass.CROSS_NODE: 1 * gb},
+            latency={TopologyClass.SAME_DEVICE: 1e-4, TopologyClass.SAME_DOMAIN: 1e-3,
+                     TopologyClass.SAME_NODE: 1e-3, TopologyClass.CROSS_NODE: 2e-3},
+            host_bw=4 * gb, host_latency=1e-4)
     return LinkCosts(
         bytes_per_block=bytes_per_block,
         bw={TopologyClass.SAME_DEVICE: 500 * gb, TopologyClass.SAME_DOMAIN: 150 * gb,
@@ -60,12 +79,16 @@ def limits(cfg: ClusterConfig) -> WorkerLimits:
                         p.prefill_chunk_size)
 
 
-def worker_policy(cfg: ClusterConfig, engine: Any, costs: StepCosts) -> Any:
+def worker_policy(cfg: ClusterConfig, engine: Any, costs: StepCosts,
+                  links: Any = None) -> Any:
+    """The policy a worker composes its steps with; ``links``: the link model it prices
+    its own KV-pressure victims' swaps with (default: the device's priors)."""
     from scheduler.policies import make_policy
     from scheduler.policy import PolicyContext
 
-    ctx = PolicyContext(cfg.tier_config, costs, link_costs(bytes_per_block(engine)),
-                        cfg.pools.block_size)
+    if links is None:
+        links = link_costs(bytes_per_block(engine), str(engine.pool.kv_layout().device))
+    ctx = PolicyContext(cfg.tier_config, costs, links, cfg.pools.block_size)
     return make_policy(cfg.scheduling.policy, ctx)
 
 
@@ -115,19 +138,30 @@ async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
     from decode_pool.worker import DecodeWorker
 
     engine = await asyncio.to_thread(build_engine, cfg, role="decode")
-    location = locate(cfg, "decode", index, str(engine.pool.kv_layout().device))
+    device = str(engine.pool.kv_layout().device)
+    location = locate(cfg, "decode", index, device)
     consumer = _transfer_endpoint("consumer", engine, location)
+    # Migrations out: this worker's blocks to another decode worker's consumer (a pair
+    # group of its own per target, built on first use like any other).
+    producer = _transfer_endpoint("producer", engine, location)
     peer = _peer_caller(namespace)
 
     async def start_prefill(prefill_worker_id: str, msg: StartPrefill) -> str | None:
         h = await peer(prefill_worker_id)
         return await asyncio.wait_for(h.start_request.remote(encode(msg)), peer_timeout(cfg))
 
+    async def migrate(target_worker_id: str, msg: MigrateIn) -> MigrateAnswer:
+        h = await peer(target_worker_id)
+        got = await asyncio.wait_for(h.migrate_in.remote(encode(msg)), peer_timeout(cfg))
+        return decode(got, MigrateAnswer)
+
     costs = _costs(cfg, engine)
+    links = LinkModel(link_costs(bytes_per_block(engine), device))
     info = location.to_worker_info(worker_id, WorkerRole.DECODE, engine.num_total_blocks)
-    worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs), costs,
-                          limits(cfg), link.report, start_prefill,
-                          control_interval_s=cfg.scheduling.control_interval_s)
+    worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs, links),
+                          costs, limits(cfg), link.report, start_prefill,
+                          control_interval_s=cfg.scheduling.control_interval_s,
+                          producer=producer, migrate=migrate, links=links)
     worker.location = location
     worker.start()
     return worker

@@ -19,7 +19,10 @@ Life of a request on a decode worker (STYLE.md item 7), by the stage that holds 
 4. The step's tokens go to each router as ONE ``TokenBatch`` (its subscription stream);
    finished requests leave and free their blocks.
 5. PREEMPT (the global scheduler, for a more urgent arrival): swap to host memory
-   (SWAPPED, back when blocks free up) or recompute here (PREFILLING again).
+   (SWAPPED, back when blocks free up; only while the request fits the bounded swap space,
+   else it is recomputed), recompute here (PREFILLING again), or migrate to another
+   decode worker with its KV (MIGRATING until the handoff; ``decode_pool/kv_moves.py``
+   has that life, in and out: a request migrated here waits as RECEIVING, then decodes).
 6. ABORT: the router's client left, the cluster gave up on it, or a reader vanished:
    blocks freed (a reservation still receiving once its transfer has ended, so that no
    block lands in memory given to another request). A prefill worker that died takes
@@ -28,7 +31,10 @@ Life of a request on a decode worker (STYLE.md item 7), by the stage that holds 
 
 Every lifecycle change is reported to the global scheduler as an event (one
 ``WorkerReport`` right after a step that produced events, else every control interval),
-with the running requests, free blocks and the fitted step costs. :class:`DecodeWorker`
+with the running requests, free blocks, the fitted step costs, and its KV memory (swap
+space, prefix hits, the moves and restores it timed). Blocks that prefix requests waiting
+here for a prefill are kept in the prefix cache ahead of plain LRU (the policy's
+``protected_hashes``). :class:`DecodeWorker`
 is a plain class; the Ray actor around it lives in ``cluster/worker_actors.py``.
 """
 
@@ -42,7 +48,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.service import EngineThread, block_events, sampling_params, token_delta, wait_event
+from decode_pool.kv_moves import (
+    Inbound,
+    MemoryLedger,
+    MigrateFn,
+    Outbound,
+    shared_prefix_blocks,
+)
+from engine.block_pool import compute_block_hashes
+from engine.service import (
+    EngineThread,
+    block_events,
+    bytes_per_block,
+    sampling_params,
+    token_delta,
+    wait_event,
+)
+from scheduler.links import LinkModel
 from scheduler.messages import (
     BlockEvent,
     Dispatch,
@@ -50,6 +72,9 @@ from scheduler.messages import (
     GenerationSpec,
     HeldRequest,
     HeldStage,
+    LinkKind,
+    MigrateAnswer,
+    MigrateIn,
     PrefilledBatch,
     ReqEvent,
     RunningReq,
@@ -83,10 +108,11 @@ MAX_STEP_FAILURES = 3
 
 
 class Stage(enum.Enum):
-    RECEIVING = "receiving"  # blocks reserved, KV arriving from a prefill worker
+    RECEIVING = "receiving"  # blocks reserved, KV arriving (a prefill worker's, or a migration's)
     PREFILLING = "prefilling"  # prefilled here: a local prefill, or a recompute
     DECODING = "decoding"
     SWAPPED = "swapped"
+    MIGRATING = "migrating"  # its KV is leaving for another decode worker
 
 
 @dataclass(slots=True)
@@ -102,6 +128,12 @@ class _Req:
     first_deltas: tuple[TokenDelta, ...] = ()
     num_streamed: int = 0  # output tokens sent to the router
     prefill_worker_id: str | None = None  # RECEIVING: whose KV it waits for
+    inbound: Inbound | None = None  # RECEIVING by migration
+    outbound: Outbound | None = None  # MIGRATING
+    # A recompute's first chunk started then (perf_counter): its restore time; and the
+    # tokens of it the prefix cache still held.
+    restore_t0: float | None = None
+    restore_cached: int = 0
 
     @property
     def router_id(self) -> str:
@@ -111,7 +143,13 @@ class _Req:
 class DecodeWorker:
     def __init__(self, info: WorkerInfo, engine: Any, consumer: Any, policy: SchedulingPolicy,
                  costs: StepCosts, limits: WorkerLimits, report: ReportFn,
-                 start_prefill: StartPrefillFn, *, control_interval_s: float = 0.1) -> None:
+                 start_prefill: StartPrefillFn, *, control_interval_s: float = 0.1,
+                 producer: Any = None, migrate: MigrateFn | None = None,
+                 links: LinkModel | None = None) -> None:
+        """``producer`` and ``migrate``: this worker can move requests out (a KVProducer
+        for their blocks, and the call that asks a target to take one); without them a
+        MIGRATE order is refused. ``links``: the link model its own policy prices swaps
+        with (fed the swaps it times)."""
         self.info = info
         self.worker_id = info.worker_id
         self.engine = engine
@@ -120,6 +158,13 @@ class DecodeWorker:
         self.limits = limits
         self._report_fn = report
         self._start_prefill = start_prefill
+        self.producer = producer
+        self._migrate = migrate
+        self.links = links
+        self.ledger = MemoryLedger(bytes_per_block(engine))
+        self._protected: frozenset[int] = frozenset()
+        self._shared: dict[str, int] = {}  # request -> its leading blocks others hold too
+        self._moved_to: dict[str, str] = {}  # migrated away -> its target (link samples)
         self.control_interval_s = control_interval_s
         self.sched = WorkerScheduler.with_limits(info, policy, costs, limits)
         self._thread = EngineThread(f"decode-{info.worker_id}")
@@ -164,6 +209,7 @@ class DecodeWorker:
         kreq = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
                        state=RequestState.PREFILLING)
         if msg.prefill_worker_id is None:
+            kreq.block_hashes = tuple(compute_block_hashes(prompt, self.limits.block_size))
             return await self._dispatch_local(spec, kreq)
         def reserve() -> tuple[list[int] | None, int]:
             blocks = self.engine.reserve(rid, len(prompt), prompt_token_ids=prompt)
@@ -284,37 +330,221 @@ class DecodeWorker:
         if r.stage is Stage.RECEIVING:
             await self._end_transfer(req_id)
         else:
+            if r.stage is Stage.MIGRATING and self.producer is not None:
+                self.producer.abort(req_id)  # no new read of its blocks from here on
+                self.producer.forget(req_id)
             await self._thread.call(self.engine.abort, req_id)
         if error is not None:
             self._emit(r, (), error=error)
             self._flush()
 
-    async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
-        """Swap out or recompute ``req_id`` for ``for_req_id`` (None: this worker's own KV
-        pressure)."""
+    async def preempt(self, req_id: str, mode: str, for_req_id: str | None,
+                      target_worker_id: str | None = None) -> bool:
+        """Swap out, recompute or migrate (to ``target_worker_id``) ``req_id`` for
+        ``for_req_id`` (None: this worker's own KV pressure). A swap that does not fit the
+        swap space is never attempted: the request is recomputed instead. A recompute
+        order for a request whose migration is under way (its target died) ends the
+        migration and recomputes it here; for one recomputing here already it is True."""
         r = self._reqs.get(req_id)
+        if r is not None and mode == PreemptMode.RECOMPUTE.value:
+            if r.stage is Stage.MIGRATING:
+                if self.producer is not None:
+                    self.producer.abort(req_id)
+                return await self._fall_back(r, "target_lost")
+            if r.stage is Stage.PREFILLING and r.num_streamed > 0:
+                return True
         if r is None or r.stage is not Stage.DECODING:
             return False
+        if mode == PreemptMode.MIGRATE.value:
+            return await self._migrate_out(r, for_req_id, target_worker_id)
         free_before = self.engine.num_free_blocks
-        if mode != PreemptMode.SWAP.value and not self.engine.can_recompute(req_id):
-            mode = PreemptMode.SWAP.value  # its sequences forked: they share blocks
-        if mode == PreemptMode.SWAP.value:
-            ok = await self._thread.call(self.engine.swap_out, req_id)
-            if ok:
-                r.stage = Stage.SWAPPED
-                self.sched.swap_out(req_id)
-                self._event(req_id, WorkerEvent.PREEMPTED_SWAP, for_req_id=for_req_id)
-        else:
-            ok = await self._thread.call(self.engine.preempt_recompute, req_id)
-            if ok:
-                r.stage = Stage.PREFILLING
-                self.sched.recompute(req_id, time.time())
-                self._event(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
+
+        def swap_or_recompute() -> tuple[str | None, int, float]:
+            if self.engine.request_state(req_id) is None:
+                return None, 0, 0.0  # it finished in the step that just ran
+            n = len(self.engine.block_ids(req_id))
+            forked = not self.engine.can_recompute(req_id)  # its sequences share blocks
+            t0 = time.perf_counter()
+            if (mode == PreemptMode.SWAP.value or forked) and self.engine.swap_out(req_id):
+                return "swap", n, time.perf_counter() - t0
+            if forked:
+                return None, n, 0.0  # swap or nothing: a forked group is never recomputed
+            return ("recompute" if self.engine.preempt_recompute(req_id) else None), n, 0.0
+
+        done, n, seconds = await self._thread.call(swap_or_recompute)
+        ok = done is not None
+        if done == "swap":
+            self.ledger.swapped(LinkKind.SWAP_OUT, n, seconds)
+            self._learn_swap(n, seconds)
+            r.stage = Stage.SWAPPED
+            self.sched.swap_out(req_id)
+            self._event(req_id, WorkerEvent.PREEMPTED_SWAP, for_req_id=for_req_id)
+        elif done == "recompute":
+            r.stage = Stage.PREFILLING
+            self.sched.recompute(req_id, time.time())
+            self._event(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
         r.kreq.last_preempt_time = time.time()
         if ok and for_req_id is not None:
             self.sched.hold_for(for_req_id, self.engine.num_free_blocks - free_before, time.time())
         self._wake.set()
         return bool(ok)
+
+    # -- migration (decode_pool/kv_moves.py) --------------------------------------------
+
+    async def _migrate_out(self, r: _Req, for_req_id: str | None, target: str | None) -> bool:
+        rid = r.spec.req_id
+        if self.producer is None or self._migrate is None or not target:
+            return False
+        snap = await self._thread.call(self.engine.detach_for_migration, rid)
+        if snap is None:
+            return False
+        r.stage = Stage.MIGRATING
+        lr = self.sched.remove(rid)
+        msg = MigrateIn(r.spec, snap.output_token_ids, snap.num_computed, self.worker_id,
+                        r.kreq.first_token_time or r.first_token_time)
+        try:
+            ans: MigrateAnswer | None = await self._migrate(target, msg)
+        except Exception as e:  # the target is gone: the request stays here
+            log.warning("migration of %s to %s failed to start: %s", rid, target, e)
+            ans = None
+        if rid not in self._reqs:  # aborted meanwhile (abort freed its blocks)
+            return False
+        if ans is None or ans.ticket is None:
+            await self._thread.call(self.engine.reattach, rid)
+            r.stage = Stage.DECODING
+            self.sched.add_decode(r.kreq, snap.num_computed,
+                                  lr.num_blocks if lr is not None else len(snap.block_ids))
+            self._wake.set()
+            return False
+        r.block_ids = snap.block_ids
+        r.outbound = Outbound(target, for_req_id, snap)
+        self._moved_to[rid] = target
+        self.producer.begin(ans.ticket)
+        self.producer.push(rid, list(snap.block_ids))
+        r.kreq.last_preempt_time = time.time()
+        self._wake.set()
+        return True
+
+    async def migrate_in(self, msg: MigrateIn) -> MigrateAnswer:
+        """Take a request over from another decode worker: reserve its blocks (prefix-cache
+        hits here are not sent) and answer the ticket its KV comes with."""
+        spec = msg.spec
+        rid = spec.req_id
+        if rid in self._reqs or rid in self._tombstones:
+            return MigrateAnswer(rid, None, "known id")
+        if not msg.output_token_ids or msg.num_computed < 1:
+            return MigrateAnswer(rid, None, "invalid: nothing decoded yet")
+        inbound = Inbound(msg)
+        tokens = list(inbound.token_ids)
+
+        def reserve() -> tuple[list[int] | None, int]:
+            blocks = self.engine.reserve(rid, msg.num_computed, prompt_token_ids=tokens)
+            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
+
+        try:
+            blocks, num_cached = await self._thread.call(reserve)
+        except ValueError as e:
+            return MigrateAnswer(rid, None, f"invalid: {e}")
+        if blocks is None:
+            return MigrateAnswer(rid, None, "no room")
+        ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
+        outputs = msg.output_token_ids
+        kreq = Request(rid, spec.tier, spec.arrival_time, len(spec.prompt_token_ids),
+                       spec.sampling.max_tokens, state=RequestState.DECODING,
+                       num_output_tokens=len(outputs), first_token_time=msg.first_token_time)
+        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks),
+                               first_token=outputs[-1], first_token_time=msg.first_token_time,
+                               num_streamed=len(outputs), prefill_worker_id=msg.from_worker_id,
+                               inbound=inbound)
+        self._watch_router(spec.router_id)
+        self._wake.set()
+        self._report_soon()  # the scheduler's view of this worker's blocks
+        return MigrateAnswer(rid, ticket, num_cached_blocks=num_cached)
+
+    async def _join_migration(self, rid: str, r: _Req, state: str | None) -> None:
+        """A request migrating here: decode it once its KV is all here; drop the
+        reservation silently when the transfer ended otherwise (the source still owns
+        it and recomputes it)."""
+        assert r.inbound is not None
+        if state in ("failed", "aborted"):
+            self._reqs.pop(rid, None)
+            await self._end_transfer(rid)
+            return
+        if state != "done":
+            return
+        self.consumer.forget(rid)
+        msg = r.inbound.msg
+        try:
+            await self._thread.call(self.engine.add_migrated_request, rid,
+                                    list(r.inbound.token_ids), len(msg.spec.prompt_token_ids),
+                                    sampling_params(msg.spec), list(r.block_ids))
+        except ValueError as e:  # cannot decode here: its router retries it by recompute
+            log.warning("migrated request %s cannot decode here: %s", rid, e)
+            self._event(rid, WorkerEvent.ABORTED, reason="worker_failed")
+            await self.abort(rid, error="worker_failed")
+            return
+        r.stage = Stage.DECODING
+        self.sched.add_decode(r.kreq, msg.num_computed, len(r.block_ids))
+        self._event(rid, WorkerEvent.RESUMED_MIGRATE)
+        self.ledger.restored(rid, PreemptMode.MIGRATE.value,
+                             time.perf_counter() - r.inbound.reserved_at, msg.from_worker_id)
+        # Everything streamed so far, again, from index 0: the router keeps only what the
+        # source's stream has not brought it yet.
+        self._outbox.setdefault(r.router_id, []).append(
+            TokenDelta(rid, msg.output_token_ids, start=0))
+        self._report_soon()
+
+    async def _poll_migrations(self) -> None:
+        """Requests whose KV is leaving: hand them off once it all arrived, else fall back."""
+        for rid, r in list(self._reqs.items()):
+            out = r.outbound
+            if r.stage is not Stage.MIGRATING or out is None or self.producer is None:
+                continue
+            st = self.producer.poll(rid)
+            if st is not None and not st.state.is_terminal:
+                continue
+            if st is not None:
+                self.producer.forget(rid)
+            if st is None or st.state.value != "done":
+                await self._fall_back(r, "transfer " + ("lost" if st is None else st.state.value))
+                continue
+            free_before = self.engine.num_free_blocks
+            await self._thread.call(self.engine.abort, rid)
+            self._reqs.pop(rid, None)
+            self._event(rid, WorkerEvent.PREEMPTED_MIGRATE, for_req_id=out.for_req_id,
+                        peer_worker_id=out.target_id)
+            if out.for_req_id is not None:
+                self.sched.hold_for(out.for_req_id, self.engine.num_free_blocks - free_before,
+                                    time.time())
+            self._report_soon()
+
+    async def _fall_back(self, r: _Req, why: str) -> bool:
+        """A migration that will not complete: recompute the request here (its blocks go
+        back at once; the transfer is terminal or aborted, so nothing reads them)."""
+        rid = r.spec.req_id
+        out = r.outbound
+        if out is not None and self.producer is not None:
+            self.producer.forget(rid)
+        self._moved_to.pop(rid, None)
+        free_before = self.engine.num_free_blocks
+        if not await self._thread.call(self.engine.preempt_recompute, rid):
+            return False
+        log.warning("migration of %s to %s did not complete (%s): recomputing it here", rid,
+                    out.target_id if out else "?", why)
+        num_computed = out.snapshot.num_computed if out is not None else r.kreq.num_context_tokens - 1
+        r.stage, r.outbound, r.block_ids = Stage.PREFILLING, None, ()
+        r.kreq.num_computed_tokens = 0
+        self.sched.add_prefill(r.kreq, num_computed + 1, time.time())
+        for_req = out.for_req_id if out is not None else None
+        self._event(rid, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req, reason=why)
+        if for_req is not None:
+            self.sched.hold_for(for_req, self.engine.num_free_blocks - free_before, time.time())
+        self._wake.set()
+        return True
+
+    def _learn_swap(self, num_blocks: int, seconds: float) -> None:
+        if self.links is not None:
+            self.links.observe_swap(num_blocks * self.ledger.bytes_per_block, seconds)
 
     async def release_waiting(self, prefill_worker_id: str,
                               req_ids: tuple[str, ...] | None = None) -> list[str]:
@@ -339,9 +569,13 @@ class DecodeWorker:
         out = []
         for rid, r in self._reqs.items():
             lr = self.sched.local.get(rid)
+            if r.inbound is not None and r.stage is Stage.RECEIVING:
+                continue  # still its source's until the handoff
             stage = {Stage.RECEIVING: HeldStage.RECEIVING, Stage.PREFILLING: HeldStage.PREFILLING,
-                     Stage.DECODING: HeldStage.DECODING, Stage.SWAPPED: HeldStage.SWAPPED}[r.stage]
-            blocks = len(r.block_ids) if r.stage is Stage.RECEIVING or lr is None else lr.num_blocks
+                     Stage.DECODING: HeldStage.DECODING, Stage.SWAPPED: HeldStage.SWAPPED,
+                     Stage.MIGRATING: HeldStage.DECODING}[r.stage]
+            blocks = (len(r.block_ids) if r.stage in (Stage.RECEIVING, Stage.MIGRATING)
+                      or lr is None else lr.num_blocks)
             out.append(HeldRequest(r.spec, stage, blocks, r.kreq.num_output_tokens,
                                    r.prefill_worker_id, r.kreq.first_token_time or
                                    r.first_token_time,
@@ -349,9 +583,13 @@ class DecodeWorker:
         return tuple(out)
 
     def status(self) -> dict[str, Any]:
+        swap = self.engine.swap
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
                 "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._reqs),
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps, "num_swap_used": swap.num_used,
+                "num_swap_peak": swap.num_peak, "num_swap_blocks": swap.capacity,
+                "num_prefix_query_blocks": self.engine.num_prefix_query_blocks,
+                "num_prefix_hit_blocks": self.engine.num_prefix_hit_blocks}
 
     # -- tokens to routers ---------------------------------------------------------------
 
@@ -360,6 +598,10 @@ class DecodeWorker:
         self._emit_delta(r, TokenDelta(r.spec.req_id, tokens, finish, error))
 
     def _emit_delta(self, r: _Req, delta: TokenDelta) -> None:
+        if r.inbound is not None and delta.start is None:
+            # A request that migrated here says where its tokens sit in the output (the
+            # router may still be reading its source's last ones).
+            delta = replace(delta, start=r.num_streamed)
         r.num_streamed += len(delta.token_ids)
         self._outbox.setdefault(r.router_id, []).append(delta)
 
@@ -377,13 +619,15 @@ class DecodeWorker:
     async def _step_loop(self) -> None:
         failures = 0
         while True:
-            waiting = self._draining or any(r.stage is Stage.RECEIVING for r in self._reqs.values())
+            waiting = self._draining or any(r.stage in (Stage.RECEIVING, Stage.MIGRATING)
+                                            for r in self._reqs.values())
             if not self.sched.has_work():
                 await wait_event(self._wake, 0.005 if waiting else 0.25)
             self._wake.clear()
             self._stepping = []
             try:
                 await self._free_drained()
+                await self._poll_migrations()
                 await self._join_transfers()
                 if self.sched.has_work():
                     await self._step()
@@ -410,7 +654,8 @@ class DecodeWorker:
 
     async def _step(self) -> None:
         now = time.time()
-        plan = self.sched.plan(now, self.engine.num_free_blocks)
+        plan = self.sched.plan(now, self.engine.num_free_blocks,
+                               num_free_swap_blocks=self.engine.swap.num_free)
         self._plan_was_empty = plan.is_empty
         if plan.is_empty:
             await wait_event(self._wake, 0.01)
@@ -424,8 +669,16 @@ class DecodeWorker:
         self._stepping = [*decodes, *(rid for rid, _ in plan.chunks)]
         t0 = time.perf_counter()
         outs, refused, blocks, computed, events = await self._thread.call(
-            self._run, decodes, list(plan.chunks))
+            self._run, decodes, list(plan.chunks), self._protect())
         seconds: float | None = time.perf_counter() - t0
+        for rid, n in plan.chunks:
+            r = self._reqs.get(rid)
+            if (r is not None and r.num_streamed > 0 and r.restore_t0 is None
+                    and rid not in refused):
+                # A recompute's first chunk ran: its restore starts here; what the prefix
+                # cache still held of it needed no computing.
+                r.restore_t0 = t0
+                r.restore_cached = max(computed.get(rid, n) - n, 0)
         if any(o.error is not None for o in outs):
             seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
@@ -436,16 +689,32 @@ class DecodeWorker:
         if self._events:
             self._report_soon()
 
-    def _run(self, decodes: list[str], chunks: list[tuple[str, int]]
+    def _protect(self) -> frozenset[int] | None:
+        """The prefix hashes to keep cached, when they changed: those of the requests
+        waiting here for their (re)prefill, as the policy names them."""
+        waiting = [r for r in self.sched.queue.requests()
+                   if (lr := self.sched.local.get(r.req_id)) is not None and lr.num_blocks == 0]
+        hashes = frozenset(self.policy.protected_hashes(waiting))
+        if hashes == self._protected:
+            return None
+        self._protected = hashes
+        return hashes
+
+    def _run(self, decodes: list[str], chunks: list[tuple[str, int]],
+             protect: frozenset[int] | None = None
              ) -> tuple[list[Any], list[str], dict[str, int], dict[str, int], list[BlockEvent]]:
         """On the engine thread: the step, then the block counts the planner tracks."""
+        if protect is not None:
+            self.engine.protect_prefixes(protect)
         outs, refused = self.engine.run_plan(decodes, chunks)
         blocks: dict[str, int] = {}
         computed: dict[str, int] = {}
         for rid in [*decodes, *(c for c, _ in chunks)]:
             if self.engine.request_state(rid) is not None:
-                blocks[rid] = len(self.engine.block_ids(rid))
+                ids = self.engine.block_ids(rid)
+                blocks[rid] = len(ids)
                 computed[rid] = self.engine.num_computed_tokens(rid)
+                self._shared[rid] = shared_prefix_blocks(self.engine, ids)
         return outs, refused, blocks, computed, block_events(self.engine.drain_events())
 
     def _postprocess(self, plan: StepPlan, outs: list[Any], done: set[str]) -> None:
@@ -468,6 +737,11 @@ class DecodeWorker:
                     self._event(out.req_id, WorkerEvent.PREFILL_DONE)
                 else:
                     self._event(out.req_id, WorkerEvent.RESUMED_RECOMPUTE)
+                    if r.restore_t0 is not None:
+                        self.ledger.restored(out.req_id, PreemptMode.RECOMPUTE.value,
+                                             time.perf_counter() - r.restore_t0,
+                                             num_cached_tokens=r.restore_cached)
+                    r.restore_t0 = None
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             if out.finished and finish is None:
                 finish = "stop"
@@ -484,13 +758,20 @@ class DecodeWorker:
         if r is None or r.stage is not Stage.SWAPPED:
             return
 
-        def swap_in() -> int | None:
-            return len(self.engine.block_ids(rid)) if self.engine.swap_in(rid) else None
+        def swap_in() -> tuple[int, float] | None:
+            t0 = time.perf_counter()
+            if not self.engine.swap_in(rid):
+                return None
+            return len(self.engine.block_ids(rid)), time.perf_counter() - t0
 
-        if (n := await self._thread.call(swap_in)) is not None:
+        if (got := await self._thread.call(swap_in)) is not None:
+            n, seconds = got
             r.stage = Stage.DECODING
             self.sched.swapped_in(rid, n)
             self._event(rid, WorkerEvent.RESUMED_SWAP)
+            self.ledger.swapped(LinkKind.SWAP_IN, n, seconds)
+            self.ledger.restored(rid, PreemptMode.SWAP.value, seconds)
+            self._learn_swap(n, seconds)
 
     async def _join_transfers(self) -> None:
         for rid, r in list(self._reqs.items()):
@@ -498,6 +779,9 @@ class DecodeWorker:
                 continue
             st = self.consumer.poll(rid)
             state = None if st is None else st.state.value
+            if r.inbound is not None:
+                await self._join_migration(rid, r, state)
+                continue
             if r.first_token is not None and r.early_finish is not None:
                 # The first token was the last: no decode, the reserved slots go back.
                 self._reqs.pop(rid, None)
@@ -559,25 +843,31 @@ class DecodeWorker:
     # -- reports -------------------------------------------------------------------------
 
     def _event(self, req_id: str, kind: WorkerEvent, *, for_req_id: str | None = None,
-               reason: str = "") -> None:
-        self._events.append(ReqEvent(req_id, kind, time.time(), for_req_id, reason))
+               reason: str = "", peer_worker_id: str = "") -> None:
+        self._events.append(ReqEvent(req_id, kind, time.time(), for_req_id, reason,
+                                     peer_worker_id))
 
     def _report_soon(self) -> None:
         if self._report_task is None or self._report_task.done():
             self._report_task = asyncio.get_running_loop().create_task(self._send_report())
 
     def _take_report(self) -> WorkerReport:
-        running = tuple(RunningReq(rid, len(r.block_ids) if r.stage is Stage.RECEIVING else
+        moving = (Stage.RECEIVING, Stage.MIGRATING)
+        running = tuple(RunningReq(rid, len(r.block_ids) if r.stage in moving else
                                    self.sched.local[rid].num_blocks if rid in self.sched.local
                                    else 0, r.kreq.num_output_tokens,
                                    self.sched.local[rid].num_prefill_left
-                                   if rid in self.sched.local else 0)
+                                   if rid in self.sched.local else 0,
+                                   self._shared.get(rid, 0) if r.stage is Stage.DECODING else 0)
                         for rid, r in self._reqs.items())
+        for rid in [rid for rid in self._shared if rid not in self._reqs]:
+            del self._shared[rid]
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), tuple(self._transfers), running,
                            self.sched.costs.to_tuple(), self.num_steps,
-                           is_busy=self.sched.has_work() and not self._plan_was_empty)
+                           is_busy=self.sched.has_work() and not self._plan_was_empty,
+                           memory=self.ledger.report(self.engine))
         self._events, self._block_events, self._transfers = [], [], []
         return rep
 
@@ -586,6 +876,10 @@ class DecodeWorker:
             if s.state.value == "done":
                 self._transfers.append(TransferStat(s.req_id, s.num_bytes, s.duration_s,
                                                     s.end_time, s.topology.value))
+        if self.producer is not None:  # migrations out: whole transfers, a link's pace
+            for s in self.producer.drain_stats():
+                if s.state.value == "done" and s.num_bytes:
+                    self.ledger.moved(s.num_bytes, s.duration_s, self._moved_to.pop(s.req_id, ""))
         try:
             await self._report_fn(self._take_report())
         except asyncio.CancelledError:

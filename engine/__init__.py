@@ -23,7 +23,8 @@ Public API (stable; other packages call only these names)::
                  enable_prefix_caching=True, max_model_len=None,
                  native_kernels=True,
                  attention="auto"|"paged"|"flex",  # auto: flex on CUDA, paged on CPU
-                 cuda_graph_max_batch=64)  # frozen, validated
+                 cuda_graph_max_batch=64,
+                 num_swap_blocks=None, swap_bytes=None)  # the host swap space; frozen, validated
     # A setting the device cannot honour (a dtype it cannot run, a KV budget larger than the
     # available memory or holding no block, an unsupported architecture) raises
     # EngineSettingError(ValueError) whose message starts with the field name; .setting names it.
@@ -63,12 +64,23 @@ Public API (stable; other packages call only these names)::
         # block_ids = the reserved list, KV written; one first token per sequence (n > 1:
         # the sequences fork there and share the blocks, copy-on-write)
     engine.abort(req_id) -> None                       # any state; frees its blocks
-    engine.swap_out(req_id) -> bool    # running request's KV to host memory (pinned on CUDA)
+    engine.swap_out(req_id) -> bool    # running request's KV to host memory (pinned on CUDA);
+        # False, before any copy, when its blocks do not fit the swap space (engine.swap_space)
+    engine.can_swap_out(req_id) -> bool; engine.swap.num_used / num_peak / capacity / num_free
     engine.swap_in(req_id) -> bool     # False when the pool has no room (nothing changes)
     engine.preempt_recompute(req_id) -> bool   # frees blocks; re-prefills prompt+output later
     engine.can_recompute(req_id) -> bool       # False once its sequences forked: swap it
     engine.num_live_sequences(req_id) -> int
     engine.block_ids(req_id)                   # a group's shared blocks counted once
+    # Migration (engine.migration): the source detaches a decoding request; its blocks stay
+    # its own until abort (moved), reattach (refused) or preempt_recompute (failed):
+    engine.detach_for_migration(req_id) -> MigrationSnapshot | None   # tokens, blocks to send
+    engine.reattach(req_id) -> bool
+    # The target reserves reserve(req_id, len(token_ids) - 1, prompt_token_ids=token_ids),
+    # receives the blocks, then:
+    engine.add_migrated_request(req_id, token_ids, num_prompt_tokens, params, block_ids)
+    engine.protect_prefixes(block_hashes)   # reuse-aware eviction (BlockPool.protect)
+    engine.num_prefix_query_blocks, engine.num_prefix_hit_blocks   # the prefix hit rate
     engine.num_free_blocks, engine.num_total_blocks, engine.has_unfinished()
     engine.num_running, engine.num_waiting, engine.request_state(req_id) -> ReqState | None
     engine.num_prefix_hit_tokens, engine.num_preemptions     # cumulative counters

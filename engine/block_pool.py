@@ -28,7 +28,10 @@ Every block is in exactly one of three states:
 Free and cached-free blocks share one LRU queue (an insertion-ordered dict, O(1) for every
 operation): ``allocate`` takes from its front, evicting the cached content of what it takes
 (``BlockRemoved``); ``free`` appends to its back; a prefix hit on a cached-free block takes it
-out of the queue. Hashing a full block publishes it (``BlockStored``). The caller drains the
+out of the queue. Eviction is reuse-aware: cached blocks whose hashes are ``protect``ed (the
+prefixes of requests waiting on this worker, as the policy names them) are passed over while
+other blocks remain, keeping their place in the queue (the simulator's prefix cache does the
+same, scheduler.prefix_index). Hashing a full block publishes it (``BlockStored``). The caller drains the
 events (``drain_events``) and forwards them to whoever mirrors the cache.
 """
 
@@ -37,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +156,8 @@ class BlockPool:
         self._hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._events: list[BlockEvent] = []
+        self._protected: frozenset[int] = frozenset()
+        self.num_protected_evictions = 0  # protected blocks evicted (nothing else was left)
 
     @staticmethod
     def blocks_for_budget(
@@ -302,18 +307,36 @@ class BlockPool:
             return None
         block_ids: list[int] = []
         evicted: list[int] = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            block_hash = self._block_hashes[block_id]
+        protected = self._protected
+        passed: list[int] = []  # protected blocks passed over, in queue order
+        while len(block_ids) < num_blocks:
+            if self._free:
+                block_id, _ = self._free.popitem(last=False)
+                block_hash = self._block_hashes[block_id]
+                if protected and block_hash is not None and block_hash in protected:
+                    passed.append(block_id)
+                    continue
+            else:  # only protected blocks are left: the oldest of them go
+                block_id = passed.pop(0)
+                block_hash = self._block_hashes[block_id]
+                self.num_protected_evictions += 1
             if block_hash is not None:
                 self._block_hashes[block_id] = None
                 del self._hash_to_block[block_hash]
                 evicted.append(block_hash)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        for block_id in reversed(passed):  # back to the front, in their order
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
         if evicted:
             self._events.append(BlockRemoved(evicted))
         return block_ids
+
+    def protect(self, block_hashes: Collection[int]) -> None:
+        """Evict cached blocks with these hashes only when no other block is left (replaces
+        the previous set; empty: plain LRU)."""
+        self._protected = frozenset(block_hashes)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; unreferenced ones join the LRU queue's back.

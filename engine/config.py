@@ -142,6 +142,10 @@ class EngineConfig:
     # CUDA graphs of decode-only steps for batches up to this size (padded to 1, 2, 4, 8,
     # then multiples of 8); 0 turns them off. Only on CUDA with flex attention.
     cuda_graph_max_batch: int = 64
+    # The host swap space (engine.swap_space): at most this many blocks and/or bytes of
+    # swapped KV at once (the smaller wins); neither set: unbounded.
+    num_swap_blocks: int | None = None
+    swap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         choice = _dtype_choice(self.dtype)  # EngineSettingError naming the bad value
@@ -165,6 +169,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise EngineSettingError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise EngineSettingError("num_swap_blocks", f"must be >= 0, got {self.num_swap_blocks}")
+        if self.swap_bytes is not None and self.swap_bytes < 0:
+            raise EngineSettingError("swap_bytes", f"must be >= 0, got {self.swap_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise EngineSettingError("kv_cache_bytes", f"must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.kv_cache_fraction <= 0.95:

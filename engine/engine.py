@@ -13,13 +13,16 @@ One ``step()`` = schedule, run, postprocess:
    known tokens are all computed, check stop conditions, free finished requests' blocks.
 
 Disaggregation and preemption entry points (reserve, add_prefilled_request, swap_out,
-swap_in, preempt_recompute, release, abort) are documented in the package docstring.
+swap_in, preempt_recompute, release, abort) and migration's (detach_for_migration,
+reattach, add_migrated_request) are documented in the package docstring. Swap-outs draw
+on a bounded host swap space (engine.swap_space); the pool keeps cached blocks that
+prefix waiting requests (``protect_prefixes``) ahead of plain LRU.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +32,14 @@ from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
 from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
 from engine.errors import EngineSettingError, PromptTooLong
 from engine.grammar import GrammarCompiler, Matcher
+from engine.migration import MigrationSnapshot
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
 from engine.requests import EngineRequest, ReqState
 from engine.runner import ModelRunner, SeqWork
 from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from engine.sampling import SamplingParams, random_seed
+from engine.swap_space import SwapSpace
 
 Scheduled = tuple[EngineRequest, SeqWork]
 
@@ -121,9 +126,15 @@ class LLMEngine:
         # Groups the engine's own scheduler swapped out (a forked group is never recomputed).
         self._self_swapped: deque[EngineRequest] = deque()
         self._grammars: GrammarCompiler | None = None  # built on the first grammar request
+        self.swap = SwapSpace(num_blocks=config.num_swap_blocks, num_bytes=config.swap_bytes,
+                              bytes_per_block=self.pool.kv_layout().bytes_per_block)
         # Cumulative counters (observability; tests and benchmarks read them).
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
+        # Full prompt blocks looked up in the prefix cache on admission or reservation,
+        # and how many were hits (the worker's prefix hit rate).
+        self.num_prefix_query_blocks = 0
+        self.num_prefix_hit_blocks = 0
 
     # ---- accounting ----
 
@@ -668,15 +679,22 @@ class LLMEngine:
         self.num_prefix_hit_tokens += req.num_computed
         if req.num_output_tokens == 0:
             req.num_cached_tokens = req.num_computed
+        self.num_prefix_query_blocks += len(hashes)
+        self.num_prefix_hit_blocks += len(hits)
         return True
 
     def _preempt(self, req: EngineRequest) -> None:
         """Recompute-preempt a running request: free its blocks, requeue it at the front.
         A request whose sequences forked is swapped out instead (back when room frees)."""
         if req.forks:
-            self.swap_out(req.req_id)
-            self._self_swapped.append(req)
-            self.num_preemptions += 1
+            if self.swap_out(req.req_id):
+                self._self_swapped.append(req)
+                self.num_preemptions += 1
+                return
+            # The swap space is full and a forked group cannot be recomputed: it ends.
+            self._pending.append(self._fail(req, RuntimeError(
+                "the swap space is full and a request with forked sequences cannot be "
+                "recomputed")))
             return
         self._running.remove(req)
         self.pool.free(req.block_ids)
@@ -697,9 +715,15 @@ class LLMEngine:
             if seq.block_ids:
                 self.pool.free(seq.block_ids)
             seq.block_ids = []
-        req.host_kv = None
-        req.host_tables = None
+        self._drop_host_kv(req)
         self._requests.pop(req.req_id, None)
+
+    def _drop_host_kv(self, req: EngineRequest) -> None:
+        """Give a swapped request's host copy back to the swap space."""
+        if req.host_kv is not None:
+            self.swap.give(req.host_kv.shape[0])
+            req.host_kv = None
+        req.host_tables = None
 
     def abort(self, req_id: str) -> None:
         """Drop a request in any state and free what it holds (unknown ids are ignored)."""
@@ -736,13 +760,17 @@ class LLMEngine:
         self._check_length(num_tokens)
         bs = self.pool.block_size
         hits: list[int] = []
+        hashes: list[int] = []
         if prompt_token_ids is not None:
             tokens = [int(t) for t in prompt_token_ids][:num_tokens]
-            hits = self.pool.lookup_prefix(compute_block_hashes(tokens, bs))
+            hashes = compute_block_hashes(tokens, bs)
+            hits = self.pool.lookup_prefix(hashes)
         needed = (num_tokens + bs - 1) // bs - len(hits)
         hits_in_free_queue = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if needed > self.pool.num_free_blocks - hits_in_free_queue:
             return None
+        self.num_prefix_query_blocks += len(hashes)
+        self.num_prefix_hit_blocks += len(hits)
         self.pool.acquire(hits)
         new = self.pool.allocate(needed)
         assert new is not None
@@ -825,14 +853,27 @@ class LLMEngine:
 
     # ---- swap and recompute ----
 
-    def swap_out(self, req_id: str) -> bool:
-        """Move a running request's KV to host memory and free its blocks (False: not running)."""
+    def can_swap_out(self, req_id: str) -> bool:
+        """Whether ``req_id`` is running and its KV fits the swap space now."""
         req = self._requests.get(req_id)
         if req is None or req.state is not ReqState.RUNNING:
             return False
+        return self.swap.can_hold(len(self._swap_tables(req)[1]))
+
+    def _swap_tables(self, req: EngineRequest) -> tuple[list[list[int]], list[int]]:
+        """Each live sequence's used blocks, and the distinct ones (shared blocks once)."""
         bs = self.pool.block_size
         used = [q.block_ids[: (q.num_computed + bs - 1) // bs] for q in req.live_sequences]
-        distinct = list(dict.fromkeys(b for table in used for b in table))
+        return used, list(dict.fromkeys(b for table in used for b in table))
+
+    def swap_out(self, req_id: str) -> bool:
+        """Move a running request's KV to host memory and free its blocks (False: not
+        running, or its blocks do not fit the swap space: nothing is copied then)."""
+        if not self.can_swap_out(req_id):
+            return False
+        req = self._requests[req_id]
+        used, distinct = self._swap_tables(req)
+        self.swap.take(len(distinct))
         data = self.pool.read_blocks(distinct)
         pin = data.device.type == "cuda"
         host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=pin)
@@ -865,8 +906,7 @@ class LLMEngine:
         for i, count in Counter(i for table in tables for i in table).items():
             if count > 1:
                 self.pool.acquire([new[i]] * (count - 1))
-        req.host_kv = None
-        req.host_tables = None
+        self._drop_host_kv(req)
         for seq in req.live_sequences:
             seq.num_published_blocks = 0
             seq.num_ready_reported = 0  # the content moved: report it under the new ids
@@ -876,7 +916,8 @@ class LLMEngine:
         return True
 
     def preempt_recompute(self, req_id: str) -> bool:
-        """Drop a running or swapped request's KV; it is recomputed (prompt + output) later."""
+        """Drop a running, swapped or migrating request's KV; it is recomputed (prompt +
+        output) later."""
         req = self._requests.get(req_id)
         if req is None or req.forks:  # a forked group is swapped, never recomputed
             return False
@@ -884,10 +925,88 @@ class LLMEngine:
             self._preempt(req)
             return True
         if req.state is ReqState.SWAPPED:
+            self._drop_host_kv(req)
             req.reset_for_recompute()
             self._waiting.appendleft(req)
             return True
+        if req.state is ReqState.MIGRATING:
+            self.pool.free(req.block_ids)
+            req.reset_for_recompute()
+            self._waiting.appendleft(req)
+            self.num_preemptions += 1
+            return True
         return False
+
+    # ---- migration ----
+
+    def detach_for_migration(self, req_id: str) -> MigrationSnapshot | None:
+        """Take a decoding request out of the running set for a move to another engine;
+        its blocks stay its own (and unchanged) until ``abort`` (moved), ``reattach``
+        (the move was refused) or ``preempt_recompute`` (the move failed). None: not a
+        running request between two decode steps."""
+        req = self._requests.get(req_id)
+        if (req is None or req.state is not ReqState.RUNNING or req.num_output_tokens < 1
+                or req.forks or len(req.token_ids) - req.num_computed != 1):
+            return None  # (a forked group moves by swap only: its sequences share blocks)
+        self._running.remove(req)
+        req.state = ReqState.MIGRATING
+        bs = self.pool.block_size
+        used = (req.num_computed + bs - 1) // bs
+        return MigrationSnapshot(req_id, tuple(req.token_ids), req.num_prompt_tokens,
+                                 req.num_computed, tuple(req.block_ids[:used]))
+
+    def reattach(self, req_id: str) -> bool:
+        """A detached request decodes here again (its move did not start)."""
+        req = self._requests.get(req_id)
+        if req is None or req.state is not ReqState.MIGRATING:
+            return False
+        req.state = ReqState.RUNNING
+        self._running.append(req)
+        return True
+
+    def add_migrated_request(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                             params: SamplingParams, block_ids: Sequence[int]) -> None:
+        """Continue decoding a request another engine detached: ``token_ids`` are its prompt
+        and outputs so far; the KV of all but the last token was written into the blocks
+        reserved for it (``reserve(req_id, len(token_ids) - 1, ...)``)."""
+        reservation = self._requests.get(req_id)
+        if reservation is None or reservation.state is not ReqState.RESERVED:
+            raise ValueError(f"request {req_id!r} has no reservation (call reserve first)")
+        if list(block_ids) != reservation.block_ids:
+            raise ValueError(f"block_ids of {req_id!r} differ from its reservation")
+        tokens = [int(t) for t in token_ids]
+        if not 0 < num_prompt_tokens < len(tokens):
+            raise ValueError(f"{num_prompt_tokens} prompt tokens of {len(tokens)}: a migrated "
+                             "request has a prompt and at least one output token")
+        bs = self.pool.block_size
+        num_computed = len(tokens) - 1
+        if len(block_ids) * bs < num_computed:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed} tokens")
+        del self._requests[req_id]
+        try:
+            req = self._new_request(req_id, tokens[:num_prompt_tokens], params,
+                                    prefill_only=False)
+        except ValueError:
+            self._requests[req_id] = reservation
+            raise
+        req.token_ids = tokens
+        if req.matcher is not None:  # the grammar walks the outputs the source sampled
+            for t in tokens[num_prompt_tokens:]:
+                req.matcher.accept(t)
+        req.block_ids = list(block_ids)
+        req.num_computed = num_computed
+        req.num_ready_reported = (num_computed + bs - 1) // bs
+        req.state = ReqState.RUNNING
+        self._requests[req_id] = req
+        self._publish_blocks(req)
+        self._running.append(req)
+
+    # ---- prefix cache ----
+
+    def protect_prefixes(self, block_hashes: Collection[int]) -> None:
+        """Cached blocks with these hashes (prefixes of requests waiting here) are evicted
+        only after every other reusable block (BlockPool.protect)."""
+        self.pool.protect(block_hashes)
 
     # ---- convenience ----
 

@@ -6,8 +6,10 @@ Life of a request inside one engine (the cluster's state machine lives in schedu
 2. RUNNING: holds blocks; each step computes its next chunk, or one decode token.
 3. PREFILLED: a prefill_only request whose prompt is done; holds its blocks until release.
 4. SWAPPED: its KV sits in host memory; swap_in brings it back to RUNNING.
-5. RESERVED: decode side of disaggregation: blocks reserved, KV arriving by transfer;
-   add_prefilled_request makes it RUNNING.
+5. RESERVED: decode side of disaggregation (or of a migration): blocks reserved, KV
+   arriving by transfer; add_prefilled_request (add_migrated_request) makes it RUNNING.
+6. MIGRATING: detached from the running set while its KV travels to another engine; its
+   blocks stay its own until it is aborted (moved), reattached or recomputed.
 Finished, aborted and released requests are forgotten (their blocks are freed).
 
 A request with ``n > 1`` is a group of sequences: the request object is sequence 0 and
@@ -41,6 +43,7 @@ class ReqState(enum.Enum):
     PREFILLED = "prefilled"
     SWAPPED = "swapped"
     RESERVED = "reserved"
+    MIGRATING = "migrating"
 
 
 @dataclass(slots=True)

@@ -10,7 +10,9 @@ Life of a request on a prefill worker (STYLE.md item 7):
    step's token and time budget: a tier-0 arrival runs in the next step, ahead of a long
    lower-tier prompt) and the engine runs exactly those (``run_plan``, prefix-cache hits
    skip shared blocks); the blocks each chunk finishes are pushed to the producer at
-   once, so the send of chunk k overlaps the compute of chunk k+1.
+   once, so the send of chunk k overlaps the compute of chunk k+1. Cached blocks that
+   prefix requests still waiting here (as the policy names them: tierserve's tiers 0 and
+   1) are evicted only after every other reusable block.
 3. FIRST TOKEN: the step that ends a prompt samples its first token (one per sequence of
    an ``n > 1`` request, with their logprobs and the prompt's when asked); the first
    tokens of one step go to each decode worker as one ``PrefilledBatch`` (PREFILL_DONE is
@@ -36,12 +38,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.block_pool import compute_block_hashes
 from engine.service import EngineThread, block_events, sampling_params, token_delta, wait_event
 from scheduler.messages import (
     BlockEvent,
     GenerationSpec,
     HeldRequest,
     HeldStage,
+    KVMemoryReport,
     Prefilled,
     PrefilledBatch,
     ReqEvent,
@@ -93,6 +97,7 @@ class PrefillWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_tasks: set[asyncio.Task[None]] = set()
         self._stepping: list[str] = []  # the requests of the step being run
+        self._protected: frozenset[int] = frozenset()
         self.num_steps = 0
         # The last plan had nothing to run (waiting for room or a transfer): steps are not
         # due, so a still step count is no stall (WorkerReport.is_busy).
@@ -123,7 +128,8 @@ class PrefillWorker:
             return f"invalid: {e}"
         self.producer.begin(msg.ticket)
         kreq = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
-                       state=RequestState.PREFILLING)
+                       state=RequestState.PREFILLING,
+                       block_hashes=tuple(compute_block_hashes(prompt, self.sched.block_size)))
         self._jobs[rid] = _Job(spec, msg.decode_worker_id, kreq)
         self.sched.add_prefill(kreq, len(prompt), time.time())
         self._wake.set()
@@ -149,7 +155,9 @@ class PrefillWorker:
     def status(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
                 "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._jobs),
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps,
+                "num_prefix_query_blocks": self.engine.num_prefix_query_blocks,
+                "num_prefix_hit_blocks": self.engine.num_prefix_hit_blocks}
 
     # -- loops ---------------------------------------------------------------------------
 
@@ -202,7 +210,8 @@ class PrefillWorker:
             return
         self._stepping = [rid for rid, _ in plan.chunks]
         t0 = time.perf_counter()
-        outs, refused, computed, events = await self._thread.call(self._run, list(plan.chunks))
+        outs, refused, computed, events = await self._thread.call(self._run, list(plan.chunks),
+                                                                  self._protect())
         seconds: float | None = time.perf_counter() - t0
         if any(o.error is not None for o in outs):
             seconds = None  # the step ran twice (batched, then one by one): not a cost sample
@@ -246,8 +255,20 @@ class PrefillWorker:
         if self._events:
             self._report_soon()
 
-    def _run(self, chunks: list[tuple[str, int]]
+    def _protect(self) -> frozenset[int] | None:
+        """The prefix hashes of the requests waiting here to start (as the policy names
+        them), when they changed since the last step."""
+        waiting = [r for r in self.sched.queue.requests() if r.num_computed_tokens == 0]
+        hashes = frozenset(self.policy.protected_hashes(waiting))
+        if hashes == self._protected:
+            return None
+        self._protected = hashes
+        return hashes
+
+    def _run(self, chunks: list[tuple[str, int]], protect: frozenset[int] | None = None
              ) -> tuple[list[Any], list[str], dict[str, int], list[BlockEvent]]:
+        if protect is not None:
+            self.engine.protect_prefixes(protect)
         outs, refused = self.engine.run_plan([], chunks)
         computed = {rid: self.engine.num_computed_tokens(rid) for rid, _ in chunks
                     if self.engine.request_state(rid) is not None}
@@ -288,7 +309,9 @@ class PrefillWorker:
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), (), running,
                            self.sched.costs.to_tuple(), self.num_steps,
-                           is_busy=self.sched.has_work() and not self._plan_was_empty)
+                           is_busy=self.sched.has_work() and not self._plan_was_empty,
+                           memory=KVMemoryReport(0, 0, 0, self.engine.num_prefix_query_blocks,
+                                                 self.engine.num_prefix_hit_blocks))
         self._events, self._block_events = [], []
         try:
             await self._report_fn(rep)

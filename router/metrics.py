@@ -34,7 +34,9 @@ API (all methods are cheap, synchronous and thread-safe through prometheus-clien
 - ``on_prefix_lookup(num_queried_blocks, num_hit_blocks)``: hit rate =
   ``rate(tierserve:prefix_cache_hits_total) / rate(tierserve:prefix_cache_queries_total)``.
 - ``set_queue_depth(tier, n)``, ``set_request_counts(tier, *, running, preempted, swapped)``,
-  ``set_kv_usage(worker_id, used_blocks, total_blocks)``, ``set_shares(shares)``.
+  ``set_kv_usage(worker_id, used_blocks, total_blocks)``, ``set_shares(shares)``,
+  ``set_kv_memory(worker_id, swap_used, swap_peak, prefix_query_blocks,
+  prefix_hit_blocks)`` (swapped blocks and the prefix hit rate per worker).
 - ``render() -> bytes`` and the module constant ``CONTENT_TYPE`` for the HTTP response.
 
 Several processes: each renders its own registry; the expositions of recorders that
@@ -177,6 +179,14 @@ class MetricsRecorder:
                                      ["worker_id"], registry=r)
         self.shares = Gauge(p + "tier_share", "Current fair-share value of each tier (sums to 1).",
                             ["tier"], registry=r)
+        self.swap_used_blocks = Gauge(p + "kv_swap_used_blocks", "KV blocks in a worker's host "
+                                      "swap space now.", ["worker_id"], registry=r)
+        self.swap_peak_blocks = Gauge(p + "kv_swap_peak_blocks", "Most KV blocks a worker's host "
+                                      "swap space held at once.", ["worker_id"], registry=r)
+        self.worker_prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of the prompt "
+                                            "blocks a worker looked up in its prefix cache that "
+                                            "were hits (since it started).", ["worker_id"],
+                                            registry=r)
 
     # -- events --------------------------------------------------------------------------
 
@@ -266,11 +276,21 @@ class MetricsRecorder:
         self.kv_used_blocks.labels(w).set(used_blocks)
         self.kv_total_blocks.labels(w).set(total_blocks)
 
+    def set_kv_memory(self, worker_id: str, swap_used: int, swap_peak: int,
+                      prefix_query_blocks: int, prefix_hit_blocks: int) -> None:
+        """A worker's swap space and prefix cache (cumulative lookups and hits)."""
+        w = _label(worker_id)
+        self.swap_used_blocks.labels(w).set(swap_used)
+        self.swap_peak_blocks.labels(w).set(swap_peak)
+        if prefix_query_blocks > 0:
+            self.worker_prefix_hit_rate.labels(w).set(prefix_hit_blocks / prefix_query_blocks)
+
     def forget_worker(self, worker_id: str) -> None:
         """Drop a dead worker's KV series: its blocks died with it (a replacement under
         the same id sets them again when it reports)."""
         w = _label(worker_id)
-        for gauge in (self.kv_usage, self.kv_used_blocks, self.kv_total_blocks):
+        for gauge in (self.kv_usage, self.kv_used_blocks, self.kv_total_blocks,
+                      self.swap_used_blocks, self.swap_peak_blocks, self.worker_prefix_hit_rate):
             try:
                 gauge.remove(w)
             except KeyError:  # never reported

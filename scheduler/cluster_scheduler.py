@@ -44,11 +44,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
+from scheduler.links import LinkModel
 from scheduler.messages import (
     RETRYABLE_ERRORS,
     BlockEvent,
     HeldRequest,
     HeldStage,
+    KVMemoryReport,
+    LinkKind,
     ReqEvent,
     SubmitOutcome,
     WorkerEvent,
@@ -127,10 +130,15 @@ class DispatchOrder:
 
 @dataclass(frozen=True, slots=True)
 class PreemptOrder:
+    """Preempt ``req_id`` on ``worker_id`` for ``for_req_id`` (None: give its blocks up
+    because a migration of it failed); MIGRATE: it moves to ``target_worker_id``, where
+    its blocks are promised until the target's report shows them reserved."""
+
     req_id: str
     worker_id: str
     mode: PreemptMode
     for_req_id: str | None
+    target_worker_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +196,18 @@ class WorkerSlot:
     # When each of those was ordered: an order the worker could not carry out (its victim
     # had just finished, say) is answered by on_preempt_result, or forgotten after this.
     preempting_since: dict[str, float] = field(default_factory=dict)
+    # Its swap space and prefix cache as last reported (None: nothing reported yet).
+    memory: KVMemoryReport | None = None
+    # Decode side: request -> its blocks another request there holds too (a shared prefix).
+    shared: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def swap_room(self) -> int | None:
+        """Free blocks of its host swap space (None: not reported, unbounded)."""
+        m = self.memory
+        if m is None or m.num_swap_blocks is None:
+            return None
+        return max(m.num_swap_blocks - m.num_swap_used, 0)
 
     @property
     def worker_id(self) -> str:
@@ -221,6 +241,15 @@ class _Entry:
     # Rebuilt from a worker's registration after a restart of the scheduler, and not yet
     # claimed by its router (drop_unclaimed ends it if the router does not claim it).
     is_adopted: bool = False
+    # Migrating to this decode worker (its blocks there are held for it) until the target
+    # says it decodes there; ``migrate_promised``: not yet reserved there as far as the
+    # target's reports show (counted in its ``num_promised``).
+    migrate_to: str | None = None
+    migrate_blocks: int = 0
+    migrate_promised: bool = False
+    # Its migration's target died: the source was told to recompute it; a refusal (the
+    # source no longer has it) ends it with worker_failed.
+    is_recovering: bool = False
 
 
 class OutputLengths:
@@ -279,9 +308,13 @@ class ClusterScheduler:
                  cost_prior: Sequence[float] = CPU_PRIOR, chunk_tokens: int = 256,
                  local_prefill_max_tokens: int = 1024,
                  observer: SchedulerObserver | None = None,
-                 on_pick: OnPick | None = None) -> None:
+                 on_pick: OnPick | None = None, migration: bool = False) -> None:
         """``on_pick``: called with each ``plan``'s dispatch selection (who got a worker,
-        who was passed over) before the plan is returned; None records nothing."""
+        who was passed over) before the plan is returned; None records nothing.
+        ``migration``: the driver moves requests between decode workers (MIGRATE orders
+        with a target); without it victims are only swapped or recomputed.
+        ``link_costs`` are the priors of :attr:`links`, which the workers' measured moves
+        refine (``WorkerReport.memory.link_samples``)."""
         self.tiers = tiers
         self.block_size = block_size
         self.mode = mode
@@ -293,9 +326,11 @@ class ClusterScheduler:
         self.workers: dict[str, WorkerSlot] = {}
         self.est = ClusterEstimate(self, self.new_costs())
         self.outputs = OutputLengths(tiers.num_tiers)
+        self.links = LinkModel(link_costs)
+        self.migration = migration
         self.policy: SchedulingPolicy = (
             policy if isinstance(policy, SchedulingPolicy)
-            else make_policy(policy, PolicyContext(tiers, self.est, link_costs, block_size)))
+            else make_policy(policy, PolicyContext(tiers, self.est, self.links, block_size)))
         self.queue = self.policy.make_queue()
         self.live: dict[str, _Entry] = {}
         self.mirror = PrefixMirror()
@@ -333,6 +368,15 @@ class ClusterScheduler:
         for rid in lost:
             self._end(rid, now, D.WORKER_FAILED, f"worker:{worker_id}", error="worker_failed",
                       skip_worker=worker_id)
+        for rid, e in list(self.live.items()):
+            if e.migrate_to == worker_id:
+                # It died before it took the request over: the source still has it (its
+                # transfer fails too) and recomputes it there (DESIGN §7: a retry, not a hang).
+                self._cancel_migration(e)
+                e.is_recovering = True
+                src = e.req.decode_worker_id
+                if src is not None:
+                    self._preempts.append(PreemptOrder(rid, src, PreemptMode.RECOMPUTE, None))
         return lost
 
     def waiting_on(self, prefill_worker_id: str) -> dict[str, list[str]]:
@@ -592,32 +636,115 @@ class ClusterScheduler:
             soon_free = w.free_blocks + sum(w.preempting.values())
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
-            cands = [VictimView(self.live[rid].req, w.info, n) for rid, n in w.held.items()
-                     if rid in self.live and self.live[rid].req.state is S.DECODING
-                     and rid not in w.preempting]
+            cands = self._victim_views(w, decode)
             if not cands:
                 continue
             plan = self.policy.preempt_for(req, need, soon_free, cands, now)
             if plan is None or not plan.victims:
                 continue
             for v in plan.victims:
-                mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
-                self._preempts.append(PreemptOrder(v.req_id, w.worker_id, mode, req.req_id))
+                target = self.workers.get(v.peer_id or "") if self.migration else None
+                e = self.live[v.req_id]
+                if v.mode is PreemptMode.MIGRATE and target is not None and target.is_alive:
+                    n = w.held.get(v.req_id, v.num_blocks)
+                    target.held[v.req_id] = n
+                    target.num_promised += n
+                    e.migrate_to, e.migrate_blocks, e.migrate_promised = target.worker_id, n, True
+                    order = PreemptOrder(v.req_id, w.worker_id, v.mode, req.req_id,
+                                         target.worker_id)
+                else:
+                    mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
+                    order = PreemptOrder(v.req_id, w.worker_id, mode, req.req_id)
+                self._preempts.append(order)
                 w.preempting[v.req_id] = v.num_blocks
                 w.preempting_since[v.req_id] = now
                 # Anti-thrash: the kernel reads last_preempt_time before the report.
-                self.live[v.req_id].req.last_preempt_time = now
+                e.req.last_preempt_time = now
             return
+
+    def _victim_views(self, w: WorkerSlot, decode: list[WorkerSlot]) -> list[VictimView]:
+        """``w``'s decoding requests as victims, priced by where their blocks are: the
+        prefix blocks another request there shares (not freed, not recomputed), the room
+        of ``w``'s swap space, how long until ``w`` could take it back, and (with
+        migration) the peer decode worker it could move to now (the policy's
+        ``place_migration``: the cheapest move to a worker with room), with the blocks
+        the peer already caches."""
+        rids = [rid for rid in w.held if rid in self.live
+                and self.live[rid].req.state is S.DECODING and rid not in w.preempting
+                and self.live[rid].migrate_to is None]
+        if not rids:
+            return []
+        peers = ([p for p in decode if p is not w and p.is_alive and not p.preempting]
+                 if self.migration else [])
+        release = self._release_rate(w)
+        out = []
+        for rid in rids:
+            r = self.live[rid].req
+            n = w.held[rid]
+            shared = min(w.shared.get(rid, 0), n)
+            peer, room, cached = self._peer_for(r, n, w, peers)
+            # Back in place only once w releases its blocks again (the arrival first).
+            wait = n / release if release else self.est.decode_token_s() * self.outputs.expected(r)
+            out.append(VictimView(r, w.info, n, num_shared_blocks=shared, peer=peer,
+                                  peer_room=room, num_peer_cached=cached,
+                                  swap_room=w.swap_room, wait_s=wait))
+        return out
+
+    def _release_rate(self, w: WorkerSlot) -> float | None:
+        """Blocks per second ``w``'s decodes give back as they finish (as admission
+        reads it): each its blocks once its expected output is done."""
+        pairs = []
+        for rid, blocks in w.held.items():
+            e = self.live.get(rid)
+            if e is not None and e.req.state is S.DECODING:
+                left = self.outputs.expected(e.req) - e.req.num_output_tokens
+                pairs.append((blocks, max(left, 1)))
+        return kv_release_rate(pairs, self.est.decode_token_s())
+
+    def _peer_for(self, req: Request, num_blocks: int, w: WorkerSlot,
+                  peers: list[WorkerSlot]) -> tuple[WorkerInfo | None, int, int]:
+        """(peer, its free blocks, the request's blocks it caches) for a move of ``req``
+        off ``w``; (None, 0, 0) when no peer would take it now."""
+        choice = self.policy.place_migration(req, num_blocks, [self._dview(p) for p in peers],
+                                             w.info)
+        if choice is None:
+            return None, 0, 0
+        p = self.workers[choice.view.info.worker_id]
+        cached = (self.mirror.match_lens(req.block_hashes, [p.worker_id]).get(p.worker_id, 0)
+                  if req.block_hashes else 0)
+        return p.info, p.free_blocks, min(cached, num_blocks)
+
+    def _cancel_migration(self, e: _Entry) -> None:
+        """The migration of ``e`` will not happen (refused, failed, its target died): its
+        target forgets the blocks held for it."""
+        target = self.workers.get(e.migrate_to or "")
+        if target is not None:
+            target.held.pop(e.req.req_id, None)
+            if e.migrate_promised:
+                target.num_promised = max(0, target.num_promised - e.migrate_blocks)
+        e.migrate_to, e.migrate_blocks, e.migrate_promised = None, 0, False
 
     # -- results and reports ---------------------------------------------------------
 
-    def on_preempt_result(self, req_id: str, worker_id: str, ok: bool) -> None:
+    def on_preempt_result(self, req_id: str, worker_id: str, ok: bool, now: float = 0.0
+                          ) -> None:
         """The worker's answer to a PreemptOrder; a refusal (the victim was no longer
-        decoding there) frees the need it was counted against."""
+        decoding there, or a migration's target would not take it) frees the need it was
+        counted against and the blocks held on the target. A refused recovery (the source
+        of a migration whose target died no longer has the request) ends it with
+        ``worker_failed``: its router retries it."""
         w = self.workers.get(worker_id)
         if w is not None and not ok:
             w.preempting.pop(req_id, None)
             w.preempting_since.pop(req_id, None)
+        e = self.live.get(req_id)
+        if e is None or ok or e.req.decode_worker_id != worker_id:
+            return
+        if e.migrate_to is not None:
+            self._cancel_migration(e)
+        if e.is_recovering:
+            self._end(req_id, now, D.WORKER_FAILED, f"worker:{worker_id}",
+                      error="worker_failed")
 
     def on_dispatch_result(self, req_id: str, ok: bool, now: float, *,
                            num_free_blocks: int | None = None, num_cached_blocks: int = 0,
@@ -663,23 +790,34 @@ class ClusterScheduler:
         w.num_free_blocks = rep.num_free_blocks
         if rep.step_costs:
             w.costs.load_tuple(rep.step_costs)
+        if rep.memory is not None:
+            w.memory = rep.memory
+            self._learn_links(w, rep.memory)
         for be in rep.block_events:
             self._apply_block_event(w.worker_id, be)
         for ev in rep.events:
             self._on_event(w, ev, now)
         # Running requests as the worker holds them (dispatches in flight keep theirs).
         seen = {r.req_id for r in rep.running}
-        for book in (w.prefill_left, w.held):
+        for book in (w.prefill_left, w.held, w.shared):
             for rid in [rid for rid in book if rid not in seen]:
                 e = self.live.get(rid)
-                if e is None or not e.is_dispatching:
+                if e is None or not (e.is_dispatching or e.migrate_to == w.worker_id):
                     del book[rid]  # the worker no longer holds it
         for r in rep.running:
             e = self.live.get(r.req_id)
             if e is None:
                 continue
+            if e.migrate_promised and e.migrate_to == w.worker_id:
+                # Reserved there now: the report's free blocks count them.
+                w.num_promised = max(0, w.num_promised - e.migrate_blocks)
+                e.migrate_promised = False
             if w.can_decode and r.req_id in w.held:
                 w.held[r.req_id] = r.num_blocks
+                if r.num_shared_blocks:
+                    w.shared[r.req_id] = r.num_shared_blocks
+                else:
+                    w.shared.pop(r.req_id, None)
                 grew = r.num_output_tokens - e.req.num_output_tokens
                 if grew > 0:
                     e.req.num_output_tokens = r.num_output_tokens
@@ -689,6 +827,17 @@ class ClusterScheduler:
                 w.prefill_left[r.req_id] = r.num_prefill_left
             else:
                 w.prefill_left.pop(r.req_id, None)
+
+    def _learn_links(self, w: WorkerSlot, mem: KVMemoryReport) -> None:
+        """The moves ``w`` timed refine the link model the victims are priced with."""
+        for s in mem.link_samples:
+            if s.kind is LinkKind.MOVE:
+                peer = self.workers.get(s.peer_worker_id)
+                if peer is not None:
+                    self.links.observe_move(topology_class(w.info, peer.info), s.num_bytes,
+                                            s.seconds)
+            else:
+                self.links.observe_swap(s.num_bytes, s.seconds)
 
     def _apply_block_event(self, wid: str, be: BlockEvent) -> None:
         if be.stored:
@@ -735,8 +884,35 @@ class ClusterScheduler:
                 self.policy.observe_latency(req.tier, ev.time - req.arrival_time, spec.e2e_s)
             self._move(rid, to, d, ev.time, by, mem=mem)
             self._close(rid)
+        elif kind is WorkerEvent.PREEMPTED_MIGRATE:
+            # The source handed the request off (its blocks are free): the target owns it
+            # now, even before it says it decodes (if it dies first, the request ends with
+            # worker_failed and its router retries it).
+            w.held.pop(rid, None)
+            if req.decode_worker_id == w.worker_id:
+                if req.state is S.DECODING:
+                    self._migrated_off(e, w, ev, mem)
+                target = self.workers.get(ev.peer_worker_id)
+                if target is None or not target.is_alive:
+                    self._end(rid, now, D.WORKER_FAILED, f"worker:{ev.peer_worker_id}",
+                              error="worker_failed")
+                    return
+                req.decode_worker_id = target.worker_id
+                e.migrate_to = target.worker_id
+        elif kind is WorkerEvent.RESUMED_MIGRATE:
+            if req.state is not S.DECODING or req.decode_worker_id != w.worker_id:
+                src = self.workers.get(req.decode_worker_id or "")
+                if req.state is S.DECODING and src is not None:
+                    self._migrated_off(e, src, ev, mem)  # the target's report came first
+                self._cancel_promise(e, w)
+                req.decode_worker_id = w.worker_id
+                e.migrate_to, e.is_recovering = None, False
+                self._move(rid, S.DECODING, D.RESUME_MIGRATE, ev.time, by, mem=mem)
         elif kind in (WorkerEvent.PREEMPTED_SWAP, WorkerEvent.PREEMPTED_RECOMPUTE):
             swap = kind is WorkerEvent.PREEMPTED_SWAP
+            if e.migrate_to is not None and w.worker_id == req.decode_worker_id:
+                self._cancel_migration(e)  # the source fell back: its migration failed
+            e.is_recovering = False
             d = D.PREEMPT_SWAP if swap else D.PREEMPT_RECOMPUTE
             self.num_preemptions += 1
             blocker = ev.for_req_id
@@ -756,6 +932,20 @@ class ClusterScheduler:
             client = ev.reason == "reader_gone"
             self._end(rid, now, D.CLIENT_GONE if client else D.ERROR, by,
                       error=None if client else (ev.reason or "aborted"))
+
+    def _migrated_off(self, e: _Entry, src: WorkerSlot, ev: ReqEvent, mem: float) -> None:
+        """DECODING -> PREEMPTING -> PREEMPTED by migration off ``src``."""
+        rid = e.req.req_id
+        blocker = ev.for_req_id
+        why = f"{'preempt_for' if blocker else 'kv_pressure'}:{src.worker_id}"
+        self.num_preemptions += 1
+        self._move(rid, S.PREEMPTING, D.PREEMPT_MIGRATE, ev.time, why, mem=mem, blocking=blocker)
+        self._move(rid, S.PREEMPTED, D.PREEMPT_DONE, ev.time, why, mem=mem, blocking=blocker)
+
+    def _cancel_promise(self, e: _Entry, target: WorkerSlot) -> None:
+        if e.migrate_promised and e.migrate_to == target.worker_id:
+            target.num_promised = max(0, target.num_promised - e.migrate_blocks)
+        e.migrate_promised = False
 
     def _served_first_token(self, req: Request, t: float) -> None:
         """Fair share's feedback (DESIGN §5): the tier's TTFT against its target, and the
@@ -795,7 +985,8 @@ class ClusterScheduler:
         if e is None:
             return
         self.queue.remove(rid)
-        holders = tuple(w for w in {e.req.prefill_worker_id, e.req.decode_worker_id}
+        holders = tuple(w for w in {e.req.prefill_worker_id, e.req.decode_worker_id,
+                                    e.migrate_to}
                         if w is not None and w != skip_worker
                         and self.workers.get(w) is not None and self.workers[w].is_alive)
         if holders or error is not None:
@@ -825,9 +1016,10 @@ class ClusterScheduler:
         for w in self.workers.values():
             w.prefill_left.pop(rid, None)
             w.preempting.pop(rid, None)
+            w.shared.pop(rid, None)
             if rid in w.held:
                 n = w.held.pop(rid)
-                if e.is_dispatching:
+                if e.is_dispatching or (e.migrate_promised and e.migrate_to == w.worker_id):
                     w.num_promised = max(0, w.num_promised - n)
         if self.observer is not None:
             self.observer.on_closed(e.req)

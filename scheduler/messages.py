@@ -17,6 +17,11 @@ The flows, in the order a request meets them::
     router ──FinishBatch──▶ scheduler                         (client-side timings)
     scheduler ──NoticeBatch──▶ router                         (requests ended by the cluster)
 
+and, when the kernel moves a decoding request to another decode worker (migration)::
+
+    decode worker ──MigrateIn──▶ decode worker ──MigrateAnswer──▶ (a ticket; the KV follows
+                                                                  over kvtransfer)
+
 and the ones that heal the cluster after a failure::
 
     worker ──WorkerHello──▶ scheduler ──HelloAnswer──▶ worker  (at setup, and whenever the
@@ -318,6 +323,32 @@ class PrefilledBatch:
     items: tuple[Prefilled, ...]
 
 
+@message("migr")
+@dataclass(frozen=True, slots=True)
+class MigrateIn:
+    """Source decode worker -> target decode worker: take ``spec`` over mid-decode. Its KV
+    (the first ``num_computed`` tokens of prompt + ``output_token_ids``) arrives over
+    kvtransfer into the blocks the answer's ticket names; the output so far is already
+    streamed, the target streams on from it."""
+
+    spec: GenerationSpec
+    output_token_ids: tuple[int, ...]
+    num_computed: int
+    from_worker_id: str
+    first_token_time: float | None = None
+
+
+@message("mans")
+@dataclass(frozen=True, slots=True)
+class MigrateAnswer:
+    """The target's answer: a ticket for the KV (blocks reserved), or why not."""
+
+    req_id: str
+    ticket: dict[str, Any] | None = None
+    reason: str = ""
+    num_cached_blocks: int = 0  # leading blocks the target had cached: not sent
+
+
 # -- tokens --------------------------------------------------------------------------
 
 
@@ -338,6 +369,11 @@ class TokenDelta:
     # tokens the prefix cache gave (usage.prompt_tokens_details.cached_tokens).
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0
+    # Where ``token_ids[0]`` sits in the request's output. Set by a decode worker that took
+    # the request over by migration (its first delta repeats every token so far, from 0):
+    # the router keeps what it has not seen, whichever worker's stream arrives first.
+    # None: right after the previous delta of the same worker.
+    start: int | None = None
 
 
 @message("lp")
@@ -418,6 +454,10 @@ class WorkerEvent(enum.Enum):
     PREEMPTED_RECOMPUTE = "preempted_recompute"
     RESUMED_SWAP = "resumed_swap"
     RESUMED_RECOMPUTE = "resumed_recompute"
+    # Migration (the source reports the first once its blocks are free, the target the
+    # second once the request decodes there; either may arrive first).
+    PREEMPTED_MIGRATE = "preempted_migrate"
+    RESUMED_MIGRATE = "resumed_migrate"
     ABORTED = "aborted"
     TRANSFER_FAILED = "transfer_failed"
 
@@ -430,6 +470,8 @@ class ReqEvent:
     time: float
     for_req_id: str | None = None  # preemptions: the request it made room for
     reason: str = ""
+    # PREEMPTED_MIGRATE: the decode worker that took the request over (its owner now).
+    peer_worker_id: str = ""
 
 
 @message("blk")
@@ -459,6 +501,59 @@ class RunningReq:
     num_blocks: int
     num_output_tokens: int
     num_prefill_left: int = 0  # prompt tokens still to compute here
+    # Of its blocks, those another request on the worker holds too (a shared prompt
+    # prefix): its preemption does not free them.
+    num_shared_blocks: int = 0
+
+
+@wire_enum
+class LinkKind(enum.Enum):
+    """What a measured KV move crossed."""
+
+    MOVE = "move"  # to or from another worker (kvtransfer); its class from the two workers
+    SWAP_OUT = "swap_out"  # device pool -> host swap space
+    SWAP_IN = "swap_in"  # host swap space -> device pool
+
+
+@message("lsmp")
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    """One KV move a worker timed: what the kernel's link model learns from. Only moves
+    whose blocks were all ready at the start count (a migration, a swap), not a prefill's
+    streamed transfer, whose time is the prefill's."""
+
+    kind: LinkKind
+    num_bytes: int
+    seconds: float
+    peer_worker_id: str = ""  # MOVE: the other worker
+
+
+@message("rst")
+@dataclass(frozen=True, slots=True)
+class RestoreStat:
+    """A preempted request decodes again: how long bringing its KV back took here (swap:
+    the copy in; recompute: from its first recompute chunk to its next token; migrate:
+    from the reservation here to the request decoding here)."""
+
+    req_id: str
+    mode: str  # scheduler.preemption.PreemptMode value
+    seconds: float
+    from_worker_id: str = ""  # migrate: the source
+    # recompute: context tokens the prefix cache still held (not computed again).
+    num_cached_tokens: int = 0
+
+
+@message("kvm")
+@dataclass(frozen=True, slots=True)
+class KVMemoryReport:
+    num_swap_blocks: int | None  # the host swap space's budget, in blocks (None: unbounded)
+    num_swap_used: int
+    num_swap_peak: int  # most blocks in the swap space at once since the worker started
+    # Cumulative prompt blocks looked up in this worker's prefix cache, and hits.
+    num_prefix_query_blocks: int = 0
+    num_prefix_hit_blocks: int = 0
+    link_samples: tuple[LinkSample, ...] = ()
+    restores: tuple[RestoreStat, ...] = ()
 
 
 @message("rep")
@@ -479,6 +574,8 @@ class WorkerReport:
     is_busy: bool = False
     # Which start of the worker's process sent it (WorkerHello.incarnation; "": unknown).
     incarnation: str = ""
+    # Swap space, prefix cache and measured KV moves (decode and prefill workers).
+    memory: KVMemoryReport | None = None
 
 
 # -- healing ------------------------------------------------------------------------

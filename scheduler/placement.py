@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.deadlines import ServiceEstimate
-from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_class
+from scheduler.links import LinkPricer
+from scheduler.topology import TopologyClass, WorkerInfo, topology_class
 
 _RANK = {TopologyClass.SAME_DEVICE: 0, TopologyClass.SAME_DOMAIN: 1,
          TopologyClass.SAME_NODE: 2, TopologyClass.CROSS_NODE: 3}
@@ -64,7 +65,7 @@ def choose_prefill(prompt_len: int, block_size: int, views: Sequence[PrefillView
 
 
 def choose_decode(need_blocks: int, views: Sequence[DecodeView], prefill: WorkerInfo,
-                  costs: LinkCosts | None = None, min_headroom: float = 0.1) -> DecodeChoice | None:
+                  costs: LinkPricer | None = None, min_headroom: float = 0.1) -> DecodeChoice | None:
     best: tuple[tuple[int, float], DecodeView, TopologyClass] | None = None
     for v in views:
         if v.num_free_blocks < need_blocks:

@@ -36,6 +36,7 @@ from scheduler.admission import (
 )
 from scheduler.deadlines import DeadlineWatcher, ServiceEstimate
 from scheduler.fairshare import FairShareController, ShareLedger, TailTracker
+from scheduler.links import LinkPricer
 from scheduler.ordering import (
     DEFAULT_ORDERING,
     OrderingPolicy,
@@ -69,14 +70,14 @@ from scheduler.step_planner import (
     is_started,
 )
 from scheduler.tiers import TierConfig
-from scheduler.topology import LinkCosts, WorkerInfo
+from scheduler.topology import WorkerInfo
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
     tiers: TierConfig
     est: ServiceEstimate
-    costs: LinkCosts
+    costs: LinkPricer  # LinkCosts (priors) or a LinkModel the workers' measurements refine
     block_size: int = 16
 
 
@@ -134,6 +135,20 @@ class SchedulingPolicy:
     def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
                      prefill: WorkerInfo) -> DecodeChoice | None:
         return choose_decode(need_blocks, views, prefill, self.ctx.costs, min_headroom=0.0)
+
+    # A migration target keeps at least this share of its blocks free after the move.
+    MIGRATION_HEADROOM = 0.1
+
+    def place_migration(self, req: Request, num_blocks: int, views: Sequence[DecodeView],
+                        source: WorkerInfo) -> DecodeChoice | None:
+        """Where a decoding request preempted on ``source`` may move with its KV (None:
+        nowhere): the cheapest move to a worker that keeps MIGRATION_HEADROOM of its
+        blocks free after it, so the move itself forces no preemption there. Not the
+        tier reserve of ``place_decode``: that keeps room from new lower-tier work, and
+        this request is already running."""
+        ok = [v for v in views if v.num_free_blocks - num_blocks
+              >= self.MIGRATION_HEADROOM * v.info.num_kv_blocks]
+        return choose_decode(num_blocks, ok, source, self.ctx.costs, min_headroom=0.0)
 
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
                     candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:

@@ -9,10 +9,18 @@ priced by a named scorer:
   is a good victim (much memory, little progress lost, blocks that survive as a
   prefix elsewhere). Its cost is 1 / score.
 - ``topology`` (default): cost = tier weight x restore cost, where restore cost
-  is the least of swap-in over PCIe, recompute (a prefill of its whole
-  context), or a copy from a peer in the same NVLink domain (the victim migrates
-  there now and its blocks come back over NVLink, or it simply continues there).
-  The cheapest restore path is also the victim's mode: SWAP, RECOMPUTE or MIGRATE.
+  is the least of: swap-in over the host link (only while its worker's swap space
+  has room for it), recompute (a prefill of its context, less the blocks another
+  request keeps cached there), or a move to a peer decode worker with room (it
+  migrates there and decodes on; priced by the link of the two workers' topology
+  class, less the blocks the peer already caches). Swap-in and recompute happen on
+  the victim's own worker once it has room again (``wait_s``, the kernel's estimate);
+  a migration does not wait. Link figures are the workers'
+  measured ones (:mod:`scheduler.links`), recompute the fitted step costs. The
+  cheapest restore path is also the victim's mode: SWAP, RECOMPUTE or MIGRATE.
+
+A victim frees its blocks less those another live request shares (a shared prefix
+stays), and is ranked by cost per block it frees.
 
 Victim choice is a greedy knapsack, not an LP: sort by cost per freed block and
 take victims until the need is covered, then drop any victim the others already
@@ -30,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.deadlines import ServiceEstimate
+from scheduler.links import LinkPricer
 from scheduler.request import Request
 from scheduler.tiers import TierConfig
-from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo
+from scheduler.topology import WorkerInfo, topology_class
 
 EPS = 1e-3
 
@@ -53,19 +62,36 @@ class VictimView:
     req: Request
     worker: WorkerInfo
     num_blocks: int
-    # Blocks of this request also cached elsewhere (they survive its preemption).
+    # Blocks of this request that another live request on its worker holds too (a shared
+    # prefix): its preemption does not free them, and a recompute there finds them cached.
     num_shared_blocks: int = 0
-    # A worker in the victim's NVLink domain with room for its blocks, if any.
+    # A decode worker with room for the request's blocks, if any (it could migrate there).
     peer: WorkerInfo | None = None
+    # Free blocks on ``peer`` (victims that migrate there in one plan share them), and how
+    # many of this request's blocks it already caches (they need not travel).
+    peer_room: int = 0
+    num_peer_cached: int = 0
+    # Free blocks of the host swap space of the victim's worker (victims of one plan share
+    # them); None: unbounded. A swap that does not fit is never chosen.
+    swap_room: int | None = None
+    # How long until its worker has room to take it back (swap-in or recompute happen
+    # there, after the request it makes room for): a migration to a peer with room now
+    # does not wait.
+    wait_s: float = 0.0
+
+    @property
+    def num_freed(self) -> int:
+        """Blocks its preemption gives back to its worker."""
+        return max(self.num_blocks - self.num_shared_blocks, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class Victim:
     req_id: str
     mode: PreemptMode
-    num_blocks: int
+    num_blocks: int  # blocks its preemption frees on its worker
     cost: float
-    peer_id: str | None = None
+    peer_id: str | None = None  # MIGRATE: where it goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,60 +109,91 @@ def is_eligible(req: Request, requester_tier: int, now: float, anti_thrash_s: fl
     return req.last_preempt_time is None or now - req.last_preempt_time >= anti_thrash_s
 
 
-def restore_options(v: VictimView, costs: LinkCosts, est: ServiceEstimate,
-                    modes: frozenset[PreemptMode]) -> dict[PreemptMode, float]:
+def restore_options(v: VictimView, costs: LinkPricer, est: ServiceEstimate,
+                    modes: frozenset[PreemptMode], *, swap_room: int | None = None,
+                    peer_room: int | None = None) -> dict[PreemptMode, float]:
+    """What bringing the victim back costs (s), per mode it can take: swap needs room in
+    its worker's swap space (``swap_room``, default the view's), migrate a peer with room
+    for it (``peer_room``, default the view's)."""
     out: dict[PreemptMode, float] = {}
-    if PreemptMode.SWAP in modes:
-        out[PreemptMode.SWAP] = costs.swap_s(v.num_blocks)
+    room = v.swap_room if swap_room is None else swap_room
+    if PreemptMode.SWAP in modes and (room is None or v.num_blocks <= room):
+        out[PreemptMode.SWAP] = v.wait_s + costs.swap_s(v.num_blocks)
     if PreemptMode.RECOMPUTE in modes:
         ctx = max(v.req.num_context_tokens, 1)
-        # Blocks still cached as a prefix elsewhere need no recompute.
+        # Blocks another request keeps cached here need no recompute.
         shared = min(ctx - 1, v.num_shared_blocks * ctx // max(v.num_blocks, 1))
-        out[PreemptMode.RECOMPUTE] = est.prefill_s(ctx - shared, shared)
-    if PreemptMode.MIGRATE in modes and v.peer is not None:
-        cls = (TopologyClass.SAME_DOMAIN if v.peer.domain == v.worker.domain
-               else TopologyClass.SAME_NODE if v.peer.node == v.worker.node
-               else TopologyClass.CROSS_NODE)
-        out[PreemptMode.MIGRATE] = costs.move_s(v.num_blocks, cls)
+        out[PreemptMode.RECOMPUTE] = v.wait_s + est.prefill_s(ctx - shared, shared)
+    peer_left = v.peer_room if peer_room is None else peer_room
+    if PreemptMode.MIGRATE in modes and v.peer is not None and v.num_blocks <= peer_left:
+        moved = max(v.num_blocks - v.num_peer_cached, 0)
+        out[PreemptMode.MIGRATE] = costs.move_s(moved, topology_class(v.worker, v.peer))
     return out
 
 
-def price(v: VictimView, scorer: VictimScorer, tiers: TierConfig, costs: LinkCosts,
-          est: ServiceEstimate, modes: frozenset[PreemptMode]) -> tuple[float, PreemptMode]:
-    opts = restore_options(v, costs, est, modes)
-    if not opts:
-        raise ValueError("modes: no restore path available for a victim")
-    mode = min(opts, key=lambda m: opts[m])
+def _score(v: VictimView, scorer: VictimScorer, tiers: TierConfig, restore_s: float) -> float:
     if scorer is VictimScorer.TOPOLOGY:
-        return tiers[v.req.tier].weight * opts[mode], mode
+        return tiers[v.req.tier].weight * restore_s
     progress = v.req.num_output_tokens / max(v.req.max_new_tokens, 1)
     reuse_value = 1.0 + v.num_shared_blocks / max(v.num_blocks, 1)
     score = v.num_blocks / (progress + EPS) * reuse_value
-    return 1.0 / score, mode
+    return 1.0 / score
+
+
+def price(v: VictimView, scorer: VictimScorer, tiers: TierConfig, costs: LinkPricer,
+          est: ServiceEstimate, modes: frozenset[PreemptMode], *,
+          swap_room: int | None = None, peer_room: int | None = None
+          ) -> tuple[float, PreemptMode] | None:
+    """The victim's cost and cheapest restore mode; None when no mode fits."""
+    opts = restore_options(v, costs, est, modes, swap_room=swap_room, peer_room=peer_room)
+    if not opts:
+        return None
+    mode = min(opts, key=lambda m: opts[m])
+    return _score(v, scorer, tiers, opts[mode]), mode
 
 
 def choose_victims(need_blocks: int, candidates: Sequence[VictimView], *, requester_tier: int,
-                   now: float, tiers: TierConfig, costs: LinkCosts, est: ServiceEstimate,
+                   now: float, tiers: TierConfig, costs: LinkPricer, est: ServiceEstimate,
                    scorer: VictimScorer = VictimScorer.TOPOLOGY,
                    modes: frozenset[PreemptMode] = frozenset(PreemptMode)) -> PreemptionPlan:
-    """Cheapest set of eligible victims freeing ``need_blocks`` (or all it can)."""
+    """Cheapest set of eligible victims freeing ``need_blocks`` (or all it can).
+
+    Victims are taken by cost per freed block; each one's mode is settled as it is taken,
+    against the swap space and the peers' room the victims before it used, so a plan
+    never swaps more than a worker's swap space holds nor migrates more than a peer
+    holds (a victim whose cheapest mode no longer fits takes its next cheapest)."""
     if need_blocks <= 0:
         return PreemptionPlan((), 0)
-    priced: list[tuple[float, Victim]] = []
+    priced: list[tuple[float, VictimView]] = []
     for v in candidates:
-        if v.num_blocks <= 0 or not is_eligible(v.req, requester_tier, now, tiers.anti_thrash_s):
+        if v.num_freed <= 0 or not is_eligible(v.req, requester_tier, now, tiers.anti_thrash_s):
             continue
-        cost, mode = price(v, scorer, tiers, costs, est, modes)
-        peer = v.peer.worker_id if mode is PreemptMode.MIGRATE and v.peer else None
-        priced.append((cost / v.num_blocks, Victim(v.req.req_id, mode, v.num_blocks, cost, peer)))
+        got = price(v, scorer, tiers, costs, est, modes)
+        if got is not None:
+            priced.append((got[0] / v.num_freed, v))
     priced.sort(key=lambda cv: cv[0])
+    swap_left: dict[str, int] = {}
+    peer_left: dict[str, int] = {}
     chosen: list[Victim] = []
     freed = 0
-    for _, victim in priced:
+    for _, v in priced:
         if freed >= need_blocks:
             break
-        chosen.append(victim)
-        freed += victim.num_blocks
+        wid = v.worker.worker_id
+        room = None if v.swap_room is None else swap_left.setdefault(wid, v.swap_room)
+        peer_id = v.peer.worker_id if v.peer is not None else None
+        proom = 0 if peer_id is None else peer_left.setdefault(peer_id, v.peer_room)
+        got = price(v, scorer, tiers, costs, est, modes, swap_room=room, peer_room=proom)
+        if got is None:
+            continue
+        cost, mode = got
+        if mode is PreemptMode.SWAP and room is not None:
+            swap_left[wid] = room - v.num_blocks
+        if mode is PreemptMode.MIGRATE and peer_id is not None:
+            peer_left[peer_id] = proom - v.num_blocks
+        chosen.append(Victim(v.req.req_id, mode, v.num_freed, cost,
+                             peer_id if mode is PreemptMode.MIGRATE else None))
+        freed += v.num_freed
     if freed >= need_blocks:
         for victim in sorted(chosen, key=lambda x: -x.cost):
             if freed - victim.num_blocks >= need_blocks:

@@ -131,6 +131,9 @@ class StepView:
     anti_thrash_s: float = 1.0
     # Selections made, when the caller asked for them (None: not recorded).
     picks: list[Pick] | None = None
+    # Free blocks of the worker's host swap space (None: unbounded): a KV-pressure victim
+    # is swapped only while it fits.
+    num_free_swap_blocks: int | None = None
 
     def record(self, site: PickSite, offers: list[tuple[Request, Verdict]],
                rest: Sequence[Request] = ()) -> None:
@@ -161,7 +164,8 @@ def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPol
     free = view.num_free_blocks
     victims: list[Victim] = []
     if sum(growth.values()) > free:
-        cands = [VictimView(d.req, view.worker, d.num_blocks) for d in decodes]
+        cands = [VictimView(d.req, view.worker, d.num_blocks,
+                            swap_room=view.num_free_swap_blocks) for d in decodes]
         top = min(d.req.tier for d in decodes if d.req_id in growth)
         plan = policy.on_kv_pressure(sum(growth.values()) - free, cands, view.now, top)
         victims = list(plan.victims)
@@ -563,7 +567,10 @@ class WorkerScheduler:
 
     # -- stepping --------------------------------------------------------------------
 
-    def plan(self, now: float, num_free_blocks: int) -> StepPlan:
+    def plan(self, now: float, num_free_blocks: int, *,
+             num_free_swap_blocks: int | None = None) -> StepPlan:
+        """The next step; ``num_free_swap_blocks``: room left in the worker's host swap
+        space (None: unbounded)."""
         if self._holds:
             num_free_blocks = max(0, num_free_blocks - self.num_held(now))
         view = StepView(now, self.worker, list(self.decoding.values()), self.queue, self.local,
@@ -571,7 +578,8 @@ class WorkerScheduler:
                         self.costs, self.max_num_seqs, self.max_num_batched_tokens,
                         self.chunk_tokens, num_decode_steps=self.num_decode_steps,
                         anti_thrash_s=self.anti_thrash_s,
-                        picks=None if self.on_pick is None else [])
+                        picks=None if self.on_pick is None else [],
+                        num_free_swap_blocks=num_free_swap_blocks)
         plan = self.policy.compose_step(view)
         if view.picks:
             for pick in view.picks:

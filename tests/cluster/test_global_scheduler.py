@@ -57,7 +57,7 @@ class FakeWorkers:
         return DispatchAnswer(msg.spec.req_id, True, self.free[worker_id])
 
     async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None) -> bool:
+                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
         self._check(worker_id)
         self.calls.append(("preempt", worker_id, (req_id, mode, for_req_id)))
         return True

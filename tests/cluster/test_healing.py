@@ -48,7 +48,7 @@ class FakeClient:
         return DispatchAnswer(msg.spec.req_id, True, 100)
 
     async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None) -> bool:
+                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
         return True
 
     async def abort(self, worker_id: str, req_id: str) -> None:

@@ -57,7 +57,8 @@ def _victims(now: float = 10.0) -> list[VictimView]:
         make_request("t3-recent", tier=3, prompt=1000, state=RequestState.DECODING,
                      last_preempt_time=now - 0.5),
     ]
-    return [VictimView(r, w, num_blocks=40, peer=peer if r.tier == 2 else None) for r in reqs]
+    return [VictimView(r, w, num_blocks=40, peer=peer if r.tier == 2 else None,
+                       peer_room=100 if r.tier == 2 else 0) for r in reqs]
 
 
 def test_victims_are_lower_tier_cheapest_and_outside_the_anti_thrash_window() -> None:
