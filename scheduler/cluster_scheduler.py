@@ -235,24 +235,54 @@ class OutputLengths:
 
 class ClusterEstimate:
     """ServiceEstimate over the live workers' fitted step costs (prefill: the workers
-    that prefill; decode: those that decode)."""
+    that prefill; decode: those that decode): the mean of their predictions."""
 
     def __init__(self, sched: ClusterScheduler, prior: StepCosts) -> None:
         self._sched = sched
         self._prior = prior
+        # The workers each estimate averages over, by role (prefill: True), and their mean
+        # coefficients: rebuilt when a worker joins or leaves or reports new step costs
+        # (``invalidate``), not on every prediction.
+        self._by_role: dict[bool, list[StepCosts]] = {}
+        self._mean: tuple[float, ...] | None = None
+        self._chunk = 1
+        self._decode_token_s: float | None = None
+
+    def invalidate(self) -> None:
+        """The live workers or their fitted step costs changed."""
+        self._by_role = {}
+        self._mean = None
+        self._decode_token_s = None
 
     def _pick(self, prefill: bool) -> list[StepCosts]:
-        out = [w.costs for w in self._sched.workers.values()
-               if w.is_alive and (w.can_prefill if prefill else w.can_decode)]
-        return out or [self._prior]
+        out = self._by_role.get(prefill)
+        if out is None:
+            out = [w.costs for w in self._sched.workers.values()
+                   if w.is_alive and (w.can_prefill if prefill else w.can_decode)]
+            out = self._by_role[prefill] = out or [self._prior]
+        return out
 
     def prefill_s(self, num_new_tokens: int, num_context_tokens: int) -> float:
-        cs = self._pick(True)
-        return sum(c.prefill_s(num_new_tokens, num_context_tokens) for c in cs) / len(cs)
+        m = self._mean
+        if m is None:
+            cs = self._pick(True)
+            if len({c.chunk_tokens for c in cs}) > 1:  # chunks differ: average each's
+                return sum(c.prefill_s(num_new_tokens, num_context_tokens) for c in cs) / len(cs)
+            # Each prediction is linear in its coefficients: the mean prediction is the
+            # prediction with the mean coefficients.
+            k = len(cs)
+            coefs = [c.coefficients for c in cs]
+            m = self._mean = tuple(sum(c[i] for c in coefs) / k for i in range(3))
+            self._chunk = cs[0].chunk_tokens
+        n = max(num_new_tokens, 0)
+        steps = max(1, -(-n // self._chunk))
+        return steps * m[0] + n * m[1] + m[2] * n * (num_context_tokens + n / 2)
 
     def decode_token_s(self) -> float:
-        cs = self._pick(False)
-        return sum(c.decode_token_s() for c in cs) / len(cs)
+        if self._decode_token_s is None:
+            cs = self._pick(False)
+            self._decode_token_s = sum(c.decode_token_s() for c in cs) / len(cs)
+        return self._decode_token_s
 
 
 class ClusterScheduler:
@@ -286,6 +316,7 @@ class ClusterScheduler:
         self._preempts: list[PreemptOrder] = []
         self._last_tick = float("-inf")
         self._early_aborts: dict[str, float] = {}
+        self._backlogs: dict[str, tuple[float, tuple[float, ...]]] = {}
         self.num_preemptions = 0
 
     def new_costs(self) -> StepCosts:
@@ -297,6 +328,7 @@ class ClusterScheduler:
                    can_decode: bool) -> WorkerSlot:
         slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks)
         self.workers[info.worker_id] = slot
+        self.est.invalidate()
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -306,6 +338,7 @@ class ClusterScheduler:
         if w is None or not w.is_alive:
             return []
         w.is_alive = False
+        self.est.invalidate()
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items()
                 if worker_id in (e.req.prefill_worker_id, e.req.decode_worker_id)]
@@ -343,7 +376,7 @@ class ClusterScheduler:
                              f"holds {largest}")
         if now < self._shed_until[nr.tier]:
             return self._reject(req, now, "shed", self._shed_until[nr.tier] - now)
-        decision = self.policy.admit(req, now, self._load())
+        decision = self.policy.admit(req, now, self._load(full=self.policy.reads_load))
         if decision.kind is AdmissionKind.REJECT:
             retry = decision.retry_after_s or 1.0
             until = now + min(retry, SHED_WINDOW_S)
@@ -393,6 +426,9 @@ class ClusterScheduler:
             self._last_tick = now
             self.policy.tick(now, self.queue.requests())
         dispatches: list[DispatchOrder] = []
+        # Each worker's queued prefill work, computed once per plan (a dispatch to the
+        # worker recomputes it), not once per request offered.
+        self._backlogs = {}
         if len(self.queue):
             blocked: dict[int, int] = {}  # tier -> smallest need that found no room
 
@@ -425,9 +461,10 @@ class ClusterScheduler:
             self._end(req.req_id, now, D.ERROR, "placement:no_worker",
                       error="no live prefill or decode worker")
             return None
-        matches = self.mirror.match_lens(req.block_hashes,
-                                         [w.worker_id for w in self.workers.values()
-                                          if w.is_alive])
+        matches = (self.mirror.match_lens(req.block_hashes,
+                                          [w.worker_id for w in self.workers.values()
+                                           if w.is_alive])
+                   if req.block_hashes else {})
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
             # prefix hits among the workers the policy's decode placement accepts.
@@ -458,6 +495,7 @@ class ClusterScheduler:
         if horizon is not None and target.backlog_s() > horizon:
             return None
         target.prefill_left[req.req_id] = max(req.num_context_tokens, 1)
+        self._backlogs.pop(target.worker_id, None)
         dslot.held[req.req_id] = need
         dslot.num_promised += need
         entry = self.live[req.req_id]
@@ -476,9 +514,13 @@ class ClusterScheduler:
                              need, cls)
 
     def _pview(self, w: WorkerSlot, matches: dict[str, int]) -> PrefillView:
-        tier_of = {rid: self.live[rid].req.tier for rid in w.prefill_left if rid in self.live}
-        return PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0),
-                           w.backlog_by_tier(tier_of, self.tiers.num_tiers))
+        got = self._backlogs.get(w.worker_id)
+        if got is None:
+            live = self.live
+            tier_of = {rid: live[rid].req.tier for rid in w.prefill_left if rid in live}
+            got = self._backlogs[w.worker_id] = (
+                w.backlog_s(), w.backlog_by_tier(tier_of, self.tiers.num_tiers))
+        return PrefillView(w.info, got[0], matches.get(w.worker_id, 0), got[1])
 
     def _dview(self, w: WorkerSlot) -> DecodeView:
         return DecodeView(w.info, w.free_blocks, len(w.held))
@@ -583,6 +625,7 @@ class ClusterScheduler:
         w.num_free_blocks = rep.num_free_blocks
         if rep.step_costs:
             w.costs.load_tuple(rep.step_costs)
+            self.est.invalidate()
         for be in rep.block_events:
             self._apply_block_event(w.worker_id, be)
         for ev in rep.events:
@@ -760,8 +803,17 @@ class ClusterScheduler:
         e = self.live.get(req_id)
         return "" if e is None else e.router_id
 
-    def _load(self) -> LoadSnapshot:
+    def _load(self, *, full: bool = True) -> LoadSnapshot:
+        """What admission reads; without ``full`` only whether there is room now (the
+        per-tier backlog and decode memory stay empty, for policies that never read them)."""
         n = self.tiers.num_tiers
+        if not full:
+            prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
+                          else [w for w in self.workers.values() if w.is_alive])
+            decode = self._decode_slots()
+            room = (any(w.free_blocks > 0 for w in decode)
+                    and any(not w.prefill_left for w in prefillers) and not len(self.queue))
+            return LoadSnapshot([0.0] * n, max(len(prefillers), 1), room, block_size=self.block_size)
         backlog = [0.0] * n
         queued = [0] * n
         est = self.est

@@ -85,6 +85,10 @@ class SchedulingPolicy:
 
     name = "base"
     respects_anti_thrash = True
+    # Whether ``admit`` reads the load snapshot's backlog and decode memory (building them
+    # walks every queued and running request; a policy that only asks whether there is
+    # room now gets a snapshot without them).
+    reads_load = False
     # Whether every selection keeps the tier order (DESIGN §5: a hopeless request is never
     # ordered behind a less urgent tier's feasible work; scheduler.invariants.check_tier_order).
     keeps_tier_order = False
@@ -174,6 +178,7 @@ class TierservePolicy(SchedulingPolicy):
     placement, conditional preemption priced by topology and restore cost."""
 
     name = "tierserve"
+    reads_load = True
     # Admit while the predicted milestone is within this fraction past the target: a
     # request that waits much longer misses anyway and only takes capacity from others.
     ADMISSION_TOLERANCE = 0.25

@@ -147,6 +147,12 @@ def decode_tokens(lr: LocalRequest, num_steps: int) -> int:
 def _growth(decodes: Sequence[LocalRequest], bs: int, num_steps: int) -> dict[str, int]:
     """Decodes whose next tokens start new blocks, and how many blocks each needs."""
     out: dict[str, int] = {}
+    if num_steps == 1:  # one token each (the common case, kept cheap: it runs every step)
+        for d in decodes:
+            need = (d.num_computed + bs) // bs - d.num_blocks
+            if need > 0:
+                out[d.req.req_id] = need
+        return out
     for d in decodes:
         need = -(-(d.num_computed + decode_tokens(d, num_steps)) // bs) - d.num_blocks
         if need > 0:
@@ -618,11 +624,12 @@ class WorkerScheduler:
             if decodes_here:
                 self.decoding[rid] = lr
         contexts = []
+        multi = self.num_decode_steps > 1
         for rid in plan.decodes:
             lr = self.local.get(rid)
             if lr is None or rid in refused_set:
                 continue
-            n = decode_tokens(lr, self.num_decode_steps)
+            n = decode_tokens(lr, self.num_decode_steps) if multi else 1
             contexts.append(lr.num_computed + 1)
             lr.num_computed += n
             lr.num_target = lr.num_computed
