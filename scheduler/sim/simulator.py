@@ -171,6 +171,8 @@ class Simulator:
         self._seq = itertools.count()
         self._unfinished = len(self.trace)
         self._last_progress = 0.0
+        # Something reached the cluster scheduler since its last plan.
+        self._kicked = True
         self.wall_s = 0.0
 
     @property
@@ -232,13 +234,16 @@ class Simulator:
         return self
 
     def _drive(self) -> None:
-        """Reports in, the cluster's plan out and applied, idle workers stepping."""
+        """Reports in, the cluster's plan out and applied, idle workers stepping. The
+        cluster plans when something reached it (a submission, a report, an answer) or
+        the control interval ticked, as the global scheduler's plan loop is woken."""
         for _ in range(MAX_DRIVE_ROUNDS):
             self._deliver()
-            plan = self.cs.plan(self.now)
-            self._apply(plan)
+            if self._kicked:
+                self._kicked = False
+                self._apply(self.cs.plan(self.now))
             self._start_idle()
-            if plan.is_empty and not any(w.has_news for w in self.workers):
+            if not self._kicked and not any(w.has_news for w in self.workers):
                 return
         self._deliver()
 
@@ -246,6 +251,7 @@ class Simulator:
         for w in self.workers:
             if w.has_news:
                 self.cs.on_report(w.report(), self.now)
+                self._kicked = True
             for rid in w.refused_orders:
                 self.cs.on_preempt_result(rid, w.worker_id, False)
             w.refused_orders.clear()
@@ -285,6 +291,7 @@ class Simulator:
                             d.num_blocks)
             self.dispatch_log.append((now, d.req_id, d.decode_worker_id, d.prefill_worker_id))
             self.cs.on_dispatch_result(d.req_id, ok, now, num_free_blocks=dw.account.num_free)
+            self._kicked = True
             if not ok:
                 continue
             if d.prefill_worker_id is None:
@@ -302,6 +309,7 @@ class Simulator:
     def _on_arrival(self, job: Job) -> None:
         tr = job.trace
         self._last_progress = self.now
+        self._kicked = True
         self.cs.submit(self.new_request(tr), self.now)
         job.req = self.cs.get(tr.req_id) or job.req  # a rejected one came via on_closed
 
@@ -340,6 +348,9 @@ class Simulator:
         self._cut(dw)
 
     def _on_tick(self, _: object) -> None:
+        self._kicked = True  # the plan loop's control interval
+        for w in self.workers:
+            w.report_due = True
         self.violations.extend(check_kv_budget(w.account for w in self.workers))
         self.violations.extend(check_shares(self.policy.shares))
         if self.cs.live and self.now - self._last_progress > STALL_S:

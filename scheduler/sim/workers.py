@@ -119,7 +119,9 @@ class SimWorker:
         self.version = 0  # a step's end event carries it; a cut step gets a new one
         self.num_mechanism_refusals = 0  # planned allocations that failed (a planner bug)
         self.refused_orders: list[str] = []  # PreemptOrders whose victim was not decoding
-        self._stepped = False
+        # The control interval's periodic report (running figures, free blocks, fitted
+        # step costs) is due, as a live worker sends one every interval.
+        self.report_due = False
 
     @property
     def worker_id(self) -> str:
@@ -136,7 +138,9 @@ class SimWorker:
 
     @property
     def has_news(self) -> bool:
-        return bool(self.events or self.block_events or self.dirty or self._stepped)
+        """A report is due: events to tell (a live worker reports after a step that had
+        some), or the periodic report of every control interval (``report_due``)."""
+        return bool(self.events or self.block_events or self.report_due)
 
     def _event(self, req_id: str, kind: WorkerEvent, now: float,
                for_req_id: str | None = None) -> None:
@@ -163,7 +167,7 @@ class SimWorker:
         self.events = []
         self.block_events = []
         self.dirty = {}
-        self._stepped = False
+        self.report_due = False
         return rep
 
     # -- steps -----------------------------------------------------------------------
@@ -291,7 +295,6 @@ class SimWorker:
             self.dirty[rid] = None
         for rid in plan.decodes:
             self.dirty[rid] = None
-        self._stepped = True
         return done
 
     # -- requests --------------------------------------------------------------------
