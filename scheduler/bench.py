@@ -187,7 +187,7 @@ def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
         nr = NewRequest(f"m{k}", tr.tier, now, tr.prompt_len, 2048,
                         _block_hashes(tr.hashes, tr.prompt_len, bs))
         for w in prefill:  # some queued prefill work on each, as in a busy cluster
-            cs.workers[w.worker_id].prefill_left = {"_": rng.randint(0, 20_000)}
+            cs.workers[w.worker_id].prefill_left.put("_", rng.randint(1, 20_000), 3)
         c0 = time.thread_time()
         t0 = time.perf_counter()
         cs.submit(nr, now)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
+from scheduler.backlog import PrefillBook
 from scheduler.messages import BlockEvent, ReqEvent, SubmitOutcome, WorkerEvent, WorkerReport
 from scheduler.placement import DecodeView, PrefillView
 from scheduler.policies import make_policy
@@ -162,8 +163,8 @@ class WorkerSlot:
     is_alive: bool = True
     # Decode side: request -> blocks it holds (or is promised) here.
     held: dict[str, int] = field(default_factory=dict)
-    # Prefill side: request -> prompt tokens still to compute here.
-    prefill_left: dict[str, int] = field(default_factory=dict)
+    # Prefill side: request -> prompt tokens still to compute here (with sums per tier).
+    prefill_left: PrefillBook = field(default_factory=lambda: PrefillBook(1, 1))
     # Blocks promised by dispatches whose answer is not in yet.
     num_promised: int = 0
     # Preemptions ordered here whose event is not in yet: request -> blocks they free.
@@ -183,17 +184,11 @@ class WorkerSlot:
         return self.num_free_blocks - self.num_promised
 
     def backlog_s(self) -> float:
-        left = sum(self.prefill_left.values())
-        return self.costs.prefill_s(left, 0) if left else 0.0
+        return self.prefill_left.backlog_s(self.costs)
 
-    def backlog_by_tier(self, tier_of: dict[str, int], num_tiers: int) -> tuple[float, ...]:
+    def backlog_by_tier(self) -> tuple[float, ...]:
         """Queued prefill work (s) here per tier: what runs before a request of each tier."""
-        out = [0.0] * num_tiers
-        for rid, left in self.prefill_left.items():
-            t = tier_of.get(rid)
-            if t is not None and left > 0:
-                out[t] += self.costs.prefill_s(left, 0)
-        return tuple(out)
+        return self.prefill_left.by_tier_s(self.costs)
 
 
 @dataclass(slots=True)
@@ -240,12 +235,11 @@ class ClusterEstimate:
     def __init__(self, sched: ClusterScheduler, prior: StepCosts) -> None:
         self._sched = sched
         self._prior = prior
-        # The workers each estimate averages over, by role (prefill: True), and their mean
-        # coefficients: rebuilt when a worker joins or leaves or reports new step costs
-        # (``invalidate``), not on every prediction.
+        # The workers each estimate averages over, by role (prefill: True), and the mean
+        # of the prefill workers' coefficients: rebuilt when a worker joins or leaves or
+        # reports new step costs (``invalidate``), not on every prediction.
         self._by_role: dict[bool, list[StepCosts]] = {}
         self._mean: tuple[float, ...] | None = None
-        self._chunk = 1
         self._decode_token_s: float | None = None
 
     def invalidate(self) -> None:
@@ -262,20 +256,22 @@ class ClusterEstimate:
             out = self._by_role[prefill] = out or [self._prior]
         return out
 
-    def prefill_s(self, num_new_tokens: int, num_context_tokens: int) -> float:
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The prefill workers' mean coefficients. Each prediction is linear in its
+        coefficients (and every worker's StepCosts chunks alike, the cluster's
+        ``chunk_tokens``), so the mean prediction is the prediction with these."""
         m = self._mean
         if m is None:
-            cs = self._pick(True)
-            if len({c.chunk_tokens for c in cs}) > 1:  # chunks differ: average each's
-                return sum(c.prefill_s(num_new_tokens, num_context_tokens) for c in cs) / len(cs)
-            # Each prediction is linear in its coefficients: the mean prediction is the
-            # prediction with the mean coefficients.
-            k = len(cs)
-            coefs = [c.coefficients for c in cs]
+            coefs = [c.coefficients for c in self._pick(True)]
+            k = len(coefs)
             m = self._mean = tuple(sum(c[i] for c in coefs) / k for i in range(3))
-            self._chunk = cs[0].chunk_tokens
+        return m
+
+    def prefill_s(self, num_new_tokens: int, num_context_tokens: int) -> float:
+        m = self.coefficients
         n = max(num_new_tokens, 0)
-        steps = max(1, -(-n // self._chunk))
+        steps = max(1, -(-n // self._prior.chunk_tokens))
         return steps * m[0] + n * m[1] + m[2] * n * (num_context_tokens + n / 2)
 
     def decode_token_s(self) -> float:
@@ -317,6 +313,9 @@ class ClusterScheduler:
         self._last_tick = float("-inf")
         self._early_aborts: dict[str, float] = {}
         self._backlogs: dict[str, tuple[float, tuple[float, ...]]] = {}
+        # The prompts waiting in ``queue``, with their work and blocks per tier (admission
+        # reads them on every arrival).
+        self._queued = PrefillBook(tiers.num_tiers, chunk_tokens, block_size)
         self.num_preemptions = 0
 
     def new_costs(self) -> StepCosts:
@@ -326,7 +325,8 @@ class ClusterScheduler:
 
     def add_worker(self, info: WorkerInfo, num_free_blocks: int, *, can_prefill: bool,
                    can_decode: bool) -> WorkerSlot:
-        slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks)
+        slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks,
+                          prefill_left=PrefillBook(self.tiers.num_tiers, self.chunk_tokens))
         self.workers[info.worker_id] = slot
         self.est.invalidate()
         return slot
@@ -385,8 +385,12 @@ class ClusterScheduler:
             return self._reject(req, now, decision.reason.value, retry)
         self.policy.record_demand(req.tier, req.prompt_len + self.outputs.expected(req), now)
         self.live[req.req_id] = _Entry(req, nr.router_id)
-        self.queue.push(req, now)
+        self._enqueue(req, now)
         return Admission(SubmitOutcome.ACCEPTED)
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        self.queue.push(req, now)
+        self._queued.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
 
     def _reject(self, req: Request, now: float, reason: str, retry_s: float) -> Admission:
         rec = transition(req, S.REJECTED, decision=D.REJECT,
@@ -437,6 +441,7 @@ class ClusterScheduler:
                 if order is None:
                     return Verdict.SKIP if self.policy.skips_blocked else Verdict.STOP
                 dispatches.append(order)
+                self._queued.pop(req.req_id)
                 return Verdict.TAKE
 
             if self.on_pick is None:
@@ -461,6 +466,13 @@ class ClusterScheduler:
             self._end(req.req_id, now, D.ERROR, "placement:no_worker",
                       error="no live prefill or decode worker")
             return None
+        horizon = self.policy.dispatch_horizon_s(req)
+        if horizon is not None:
+            sites = remote if self.mode is PoolMode.DISAGGREGATED else [*remote, *decode]
+            if all(self._backlog(w)[0] > horizon for w in sites):
+                # Every worker that could prefill it holds its horizon of work already: it
+                # waits here, and orders no preemption for decode memory it cannot use yet.
+                return None
         matches = (self.mirror.match_lens(req.block_hashes,
                                           [w.worker_id for w in self.workers.values()
                                            if w.is_alive])
@@ -490,11 +502,10 @@ class ClusterScheduler:
             dslot = self.workers[choice.view.info.worker_id]
             prefill_slot = self._choose_prefill_site(req, dslot, self.workers[pv.info.worker_id],
                                                      matches)
-        horizon = self.policy.dispatch_horizon_s(req)
         target = prefill_slot or dslot
-        if horizon is not None and target.backlog_s() > horizon:
+        if horizon is not None and self._backlog(target)[0] > horizon:
             return None
-        target.prefill_left[req.req_id] = max(req.num_context_tokens, 1)
+        target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
         self._backlogs.pop(target.worker_id, None)
         dslot.held[req.req_id] = need
         dslot.num_promised += need
@@ -513,13 +524,15 @@ class ClusterScheduler:
                              prefill_slot.worker_id if prefill_slot is not None else None,
                              need, cls)
 
-    def _pview(self, w: WorkerSlot, matches: dict[str, int]) -> PrefillView:
+    def _backlog(self, w: WorkerSlot) -> tuple[float, tuple[float, ...]]:
+        """``w``'s queued prefill work, in all and per tier (kept for the plan)."""
         got = self._backlogs.get(w.worker_id)
         if got is None:
-            live = self.live
-            tier_of = {rid: live[rid].req.tier for rid in w.prefill_left if rid in live}
-            got = self._backlogs[w.worker_id] = (
-                w.backlog_s(), w.backlog_by_tier(tier_of, self.tiers.num_tiers))
+            got = self._backlogs[w.worker_id] = (w.backlog_s(), w.backlog_by_tier())
+        return got
+
+    def _pview(self, w: WorkerSlot, matches: dict[str, int]) -> PrefillView:
+        got = self._backlog(w)
         return PrefillView(w.info, got[0], matches.get(w.worker_id, 0), got[1])
 
     def _dview(self, w: WorkerSlot) -> DecodeView:
@@ -613,10 +626,10 @@ class ClusterScheduler:
             return
         # Refused (a stale view of its free blocks, or the worker is going away): requeue.
         for w in self.workers.values():
-            w.prefill_left.pop(req_id, None)
+            w.prefill_left.pop(req_id)
             w.held.pop(req_id, None)
         req.prefill_worker_id = req.decode_worker_id = None
-        self.queue.push(req, now)
+        self._enqueue(req, now)
 
     def on_report(self, rep: WorkerReport, now: float) -> None:
         w = self.workers.get(rep.worker_id)
@@ -631,12 +644,13 @@ class ClusterScheduler:
         for ev in rep.events:
             self._on_event(w, ev, now)
         # Running requests as the worker holds them (dispatches in flight keep theirs).
-        seen = {r.req_id for r in rep.running}
-        for book in (w.prefill_left, w.held):
-            for rid in [rid for rid in book if rid not in seen]:
-                e = self.live.get(rid)
-                if e is None or not e.is_dispatching:
-                    del book[rid]  # the worker no longer holds it
+        if rep.is_complete:
+            seen = {r.req_id for r in rep.running}
+            for book in (w.prefill_left, w.held):
+                for rid in [rid for rid in book if rid not in seen]:
+                    e = self.live.get(rid)
+                    if e is None or not e.is_dispatching:
+                        book.pop(rid)  # the worker no longer holds it
         for r in rep.running:
             e = self.live.get(r.req_id)
             if e is None:
@@ -648,10 +662,7 @@ class ClusterScheduler:
                     e.req.num_output_tokens = r.num_output_tokens
                     self.policy.record_served(e.req.tier, grew, grew * self.est.decode_token_s(),
                                               now)
-            if r.num_prefill_left > 0:
-                w.prefill_left[r.req_id] = r.num_prefill_left
-            else:
-                w.prefill_left.pop(r.req_id, None)
+            w.prefill_left.put(r.req_id, r.num_prefill_left, e.req.tier)
 
     def _apply_block_event(self, wid: str, be: BlockEvent) -> None:
         if be.stored:
@@ -672,7 +683,7 @@ class ClusterScheduler:
         req = e.req
         if kind is WorkerEvent.PREFILL_DONE:
             for slot in self.workers.values():
-                slot.prefill_left.pop(rid, None)
+                slot.prefill_left.pop(rid)
             if req.first_token_time is None:
                 req.first_token_time = ev.time
                 self._served_first_token(req, ev.time)
@@ -758,6 +769,7 @@ class ClusterScheduler:
         if e is None:
             return
         self.queue.remove(rid)
+        self._queued.pop(rid)
         holders = tuple(w for w in {e.req.prefill_worker_id, e.req.decode_worker_id}
                         if w is not None and w != skip_worker
                         and self.workers.get(w) is not None and self.workers[w].is_alive)
@@ -785,8 +797,9 @@ class ClusterScheduler:
         if e is None:
             return
         self.queue.remove(rid)
+        self._queued.pop(rid)
         for w in self.workers.values():
-            w.prefill_left.pop(rid, None)
+            w.prefill_left.pop(rid)
             w.preempting.pop(rid, None)
             if rid in w.held:
                 n = w.held.pop(rid)
@@ -814,19 +827,14 @@ class ClusterScheduler:
             room = (any(w.free_blocks > 0 for w in decode)
                     and any(not w.prefill_left for w in prefillers) and not len(self.queue))
             return LoadSnapshot([0.0] * n, max(len(prefillers), 1), room, block_size=self.block_size)
-        backlog = [0.0] * n
-        queued = [0] * n
         est = self.est
-        for req in self.queue.requests():
-            backlog[req.tier] += est.prefill_s(max(req.num_context_tokens, 1), 0)
-            queued[req.tier] += -(-(req.num_context_tokens + 1) // self.block_size)
+        backlog = list(self._queued.by_tier_s(est))
+        queued = list(self._queued.blocks_by_tier())
         prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
                       else [w for w in self.workers.values() if w.is_alive])
         for w in prefillers:
-            for rid, left in w.prefill_left.items():
-                e = self.live.get(rid)
-                if e is not None and left > 0:
-                    backlog[e.req.tier] += w.costs.prefill_s(left, 0)
+            for t, s in enumerate(w.backlog_by_tier()):
+                backlog[t] += s
         held = [0] * n
         pairs = []
         decode = self._decode_slots()

@@ -63,6 +63,9 @@ PREFIX_CACHE_FRACTION = 0.9
 MAX_DRIVE_ROUNDS = 4
 # Live requests and nothing moved for this long: the kernel deadlocked.
 STALL_S = 3600.0
+# Every this many control intervals a worker's report lists every request it holds; the
+# others list those whose figures changed (exact here: nothing is lost on the way).
+COMPLETE_REPORT_TICKS = 10
 
 
 class SimulationStalled(RuntimeError):
@@ -173,6 +176,7 @@ class Simulator:
         self._last_progress = 0.0
         # Something reached the cluster scheduler since its last plan.
         self._kicked = True
+        self._num_ticks = 0
         self.wall_s = 0.0
 
     @property
@@ -349,8 +353,11 @@ class Simulator:
 
     def _on_tick(self, _: object) -> None:
         self._kicked = True  # the plan loop's control interval
+        self._num_ticks += 1
+        complete = self._num_ticks % COMPLETE_REPORT_TICKS == 0
         for w in self.workers:
             w.report_due = True
+            w.complete_due = w.complete_due or complete
         self.violations.extend(check_kv_budget(w.account for w in self.workers))
         self.violations.extend(check_shares(self.policy.shares))
         if self.cs.live and self.now - self._last_progress > STALL_S:

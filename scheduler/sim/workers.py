@@ -120,8 +120,10 @@ class SimWorker:
         self.num_mechanism_refusals = 0  # planned allocations that failed (a planner bug)
         self.refused_orders: list[str] = []  # PreemptOrders whose victim was not decoding
         # The control interval's periodic report (running figures, free blocks, fitted
-        # step costs) is due, as a live worker sends one every interval.
+        # step costs) is due, as a live worker sends one every interval; and whether it
+        # lists every request held (the first report does).
         self.report_due = False
+        self.complete_due = True
 
     @property
     def worker_id(self) -> str:
@@ -148,11 +150,18 @@ class SimWorker:
         self.dirty[req_id] = None
 
     def report(self) -> WorkerReport:
-        # Everything the worker holds, as a live worker reports it (the cluster scheduler
-        # drops from its view what a report leaves out).
+        """Everything the worker holds when a complete report is due (``complete_due``:
+        the cluster scheduler drops from its view what such a report leaves out), else
+        only the requests whose figures changed since the last report (``dirty``): the
+        simulated worker knows exactly what changed, so the cluster's view is the same
+        either way, and a report does not walk thousands of queued prompts."""
         running = []
         local = self.ws.local
-        for rid in dict.fromkeys([*self.held, *local]):
+        held = self.held
+        complete = self.complete_due
+        ids = (dict.fromkeys([*held, *local]) if complete
+               else [rid for rid in self.dirty if rid in held or rid in local])
+        for rid in ids:
             lr = local.get(rid)
             if lr is None:
                 h = self.held.get(rid)
@@ -163,11 +172,12 @@ class SimWorker:
                                       lr.req.num_output_tokens, lr.num_prefill_left))
         rep = WorkerReport(self.worker_id, self.account.num_free, self.account.num_total_blocks,
                            tuple(self.events), tuple(self.block_events), (), tuple(running),
-                           self.ws.costs.to_tuple(), self.ws.num_steps)
+                           self.ws.costs.to_tuple(), self.ws.num_steps, is_complete=complete)
         self.events = []
         self.block_events = []
         self.dirty = {}
         self.report_due = False
+        self.complete_due = False
         return rep
 
     # -- steps -----------------------------------------------------------------------

@@ -194,11 +194,11 @@ def test_reports_drop_what_the_worker_no_longer_holds() -> None:
     cs = make_cluster()
     submit(cs, "a", 2, 100, now=0.0)
     dispatch_all(cs, 0.0)
-    assert cs.workers["p0"].prefill_left == {"a": 100}
+    assert cs.workers["p0"].prefill_left.as_dict() == {"a": 100}
     cs.on_report(WorkerReport("p0", 256, 256, running=(RunningReq("a", 0, 0, 40),)), 0.1)
-    assert cs.workers["p0"].prefill_left == {"a": 40}
+    assert cs.workers["p0"].prefill_left.as_dict() == {"a": 40}
     cs.on_report(WorkerReport("p0", 256, 256, running=()), 0.2)  # gone from the worker
-    assert cs.workers["p0"].prefill_left == {}
+    assert cs.workers["p0"].prefill_left.as_dict() == {}
     assert cs.workers["p0"].backlog_s() == 0.0
 
 
