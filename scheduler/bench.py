@@ -48,7 +48,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
     p.add_argument("--policy", default="tierserve",
-                   help=f"policy: {', '.join(POLICY_NAMES)} or tierserve:<ordering>")
+                   help=f"policy: {', '.join(POLICY_NAMES)}, with settings as NAME:key=value,...")
     p.add_argument("--running", type=int, default=256, help="decoding requests (default 256)")
     p.add_argument("--waiting", type=int, default=4096, help="queued requests (default 4096)")
     p.add_argument("--steps", type=int, default=2000, help="timed steps (default 2000)")

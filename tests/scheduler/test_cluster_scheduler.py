@@ -231,9 +231,9 @@ def test_on_pick_reports_the_dispatch_order_and_who_found_no_room() -> None:
 
 def test_a_preemption_in_flight_is_not_ordered_again_until_the_worker_answers() -> None:
     """Until the victim's PREEMPTED event arrives it still looks like a decode: the next
-    plans must wait for it, not order it again (vllm-priority ignores the anti-thrash
-    window) or another victim for the same need."""
-    cs = make_cluster(policy="vllm-priority", decode_blocks=16)
+    plans must wait for it, not order it again (sglang-fcfs, which preempts for an
+    arrival, ignores the anti-thrash window) or another victim for the same need."""
+    cs = make_cluster(policy="sglang-fcfs", decode_blocks=16)
     submit(cs, "low", 3, 200, now=0.0)
     assert dispatch_all(cs, 0.0) == ["low"]
     cs.on_report(WorkerReport("p0", 256, 256, events=(
