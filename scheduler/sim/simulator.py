@@ -46,6 +46,7 @@ from scheduler.policy import PolicyContext
 from scheduler.request import DecisionRecord, Request, RequestState
 from scheduler.sim.cluster import ClusterSpec
 from scheduler.sim.costmodel import CostModel
+from scheduler.sim.slo import SloBars, met_slo
 from scheduler.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from scheduler.sim.workers import DecodeWorker, Held, PrefillWorker, SimWorker
 from scheduler.step_costs import StepCosts
@@ -70,6 +71,10 @@ COMPLETE_REPORT_TICKS = 10
 
 class SimulationStalled(RuntimeError):
     """Requests are live but nothing has moved for ``STALL_S`` simulated seconds."""
+
+
+class _Missed(Exception):
+    """A tier missed more requests than its attainment bar allows: the verdict is in."""
 
 
 @dataclass(slots=True)
@@ -103,9 +108,13 @@ class Simulator:
     def __init__(self, trace: Sequence[TraceRequest], policy_name: str, cluster: ClusterSpec,
                  cost: CostModel, tiers: TierConfig, *,
                  mode: PoolMode = PoolMode.DISAGGREGATED,
-                 max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0,
+                 stop_below: SloBars | None = None) -> None:
         """``prior_scale`` multiplies the profile's step-cost priors (tests use it to show
-        that the workers' StepCosts learn the step times anyway)."""
+        that the workers' StepCosts learn the step times anyway). ``stop_below``: end the
+        run as soon as some tier has missed more requests than these bars allow (the run
+        cannot clear them any more; ``stopped_early`` says so), as an SLO-capacity search
+        needs only that verdict."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         self.cost = cost
@@ -165,6 +174,14 @@ class Simulator:
         for tr in self.trace:
             n = min(tr.output_len, max_tokens)
             self.jobs[tr.req_id] = Job(tr, n, tr.output_len >= max_tokens)
+        self.stop_below = stop_below
+        self.stopped_early = False
+        self._misses = [0] * tiers.num_tiers
+        counts = [0] * tiers.num_tiers
+        for tr in self.trace:
+            counts[tr.tier] += 1
+        self._allowed = ([stop_below.allowed_misses(t, n) for t, n in enumerate(counts)]
+                         if stop_below is not None else [])
         self._hash_parts: dict[int, tuple[int, ...]] = {}
         self.violations: list[Violation] = []
         # (time, request, decode worker, prefill worker or None) per applied dispatch.
@@ -227,13 +244,16 @@ class Simulator:
         handlers = {ARRIVAL: self._on_arrival, STEP_DONE: self._on_step_done,
                     TRANSFER_DONE: self._on_transfer_done, TICK: self._on_tick}
         events = self._events
-        while events:
-            t, _, kind, obj = heapq.heappop(events)
-            self.now = t
-            handlers[kind](obj)
-            if not events or events[0][0] > t:
-                self._drive()
-        self._deliver()
+        try:
+            while events:
+                t, _, kind, obj = heapq.heappop(events)
+                self.now = t
+                handlers[kind](obj)
+                if not events or events[0][0] > t:
+                    self._drive()
+            self._deliver()
+        except _Missed:
+            self.stopped_early = True  # the kernel's state is left mid-call: read no more
         self.wall_s = time.perf_counter() - t0
         return self
 
@@ -323,6 +343,10 @@ class Simulator:
             job.req = req
             self._unfinished -= 1
             self._last_progress = self.now
+            if self._allowed and not met_slo(req, job.num_output_tokens, self.tiers[req.tier]):
+                self._misses[req.tier] += 1
+                if self._misses[req.tier] > self._allowed[req.tier]:
+                    raise _Missed
 
     def _on_step_done(self, arg: tuple[SimWorker, int]) -> None:
         w, version = arg
