@@ -109,9 +109,13 @@ class Simulator:
                  cost: CostModel, tiers: TierConfig, *,
                  mode: PoolMode = PoolMode.DISAGGREGATED,
                  max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0,
-                 stop_below: SloBars | None = None) -> None:
-        """``prior_scale`` multiplies the profile's step-cost priors (tests use it to show
-        that the workers' StepCosts learn the step times anyway). ``stop_below``: end the
+                 profile_prior: bool = False, stop_below: SloBars | None = None) -> None:
+        """Every worker's StepCosts (and the cluster scheduler's before the first report)
+        start from its hardware class's generic prior (``scheduler.step_costs``: GPU_PRIOR
+        or CPU_PRIOR), as a live worker that was never calibrated, and learn the profile's
+        step times from the steps they run; ``profile_prior`` starts them from the
+        profile's own linear model instead, and ``prior_scale`` multiplies the prior (tests
+        use both to show that the learning, not the prior, decides). ``stop_below``: end the
         run as soon as some tier has missed more requests than these bars allow (the run
         cannot clear them any more; ``stopped_early`` says so), as an SLO-capacity search
         needs only that verdict."""
@@ -128,7 +132,8 @@ class Simulator:
         chunk = p.prefill_chunk_tokens
 
         def prior(prefill_only: bool) -> tuple[float, ...]:
-            return tuple(c * prior_scale for c in cost.step_prior(prefill_only))
+            base = cost.step_prior(prefill_only) if profile_prior else cost.generic_prior()
+            return tuple(c * prior_scale for c in base)
 
         self.cs = ClusterScheduler(tiers, policy_name, self.bs, cost.links, mode=mode,
                                    cost_prior=prior(False), chunk_tokens=chunk,
