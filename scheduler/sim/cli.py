@@ -156,11 +156,12 @@ class _Runner:
         else:
             ok = self.bars.cleared(summarize(sim, load, with_belady=False))
         self.probes.append({"policy": label, "load": load, "seed": seed, "cleared": ok,
-                            "stopped_early": sim.stopped_early, "sim_end_s": sim.now,
-                            "wall_s": sim.wall_s})
+                            "stopped_early": sim.stopped_early, "missed_tier": sim.missed_tier,
+                            "sim_end_s": sim.now, "wall_s": sim.wall_s})
         print(f"{'probe ' + label + f' s{seed}':<40} load {load:>7.4g}: "
               f"{'clears' if ok else 'misses'} the SLO bars"
-              + (f" (stopped at {sim.now:.0f} s)" if sim.stopped_early else "")
+              + (f" (tier {sim.missed_tier}, stopped at {sim.now:.0f} s)"
+                 if sim.stopped_early else "")
               + f", {sim.wall_s:.1f}s wall", flush=True)
         return ok
 

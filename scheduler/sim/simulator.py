@@ -181,6 +181,7 @@ class Simulator:
             self.jobs[tr.req_id] = Job(tr, n, tr.output_len >= max_tokens)
         self.stop_below = stop_below
         self.stopped_early = False
+        self.missed_tier: int | None = None  # the tier whose misses stopped the run
         self._misses = [0] * tiers.num_tiers
         counts = [0] * tiers.num_tiers
         for tr in self.trace:
@@ -351,6 +352,7 @@ class Simulator:
             if self._allowed and not met_slo(req, job.num_output_tokens, self.tiers[req.tier]):
                 self._misses[req.tier] += 1
                 if self._misses[req.tier] > self._allowed[req.tier]:
+                    self.missed_tier = req.tier
                     raise _Missed
 
     def _on_step_done(self, arg: tuple[SimWorker, int]) -> None:
