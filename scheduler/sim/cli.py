@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep loads of --tune-peers (default: --load)")
     p.add_argument("--bars", default="99,90",
                    help="attainment bars of --capacity in %%: tier 0, other tiers (99,90)")
+    p.add_argument("--feasible", action="store_true",
+                   help="the bars apply to each tier's feasible requests (those whose prefill "
+                        "alone on an idle worker fits the tier's TTFT)")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write an attainment/goodput-vs-load PNG here")
 
@@ -209,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         pct = _floats(args.bars, "--bars")
         if len(pct) != 2 or max(pct) > 100:
             raise ConfigError(f"--bars: two percentages in (0, 100], got {args.bars!r}")
-        bars = SloBars(pct[0] / 100, pct[1] / 100)
+        bars = SloBars(pct[0] / 100, pct[1] / 100, feasible_only=args.feasible)
         if args.max_tokens < 1:
             raise ConfigError(f"--max-tokens: must be at least 1, got {args.max_tokens}")
         if args.bisect < 0:
@@ -234,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
                   "profile": args.profile, "mode": args.mode, "max_tokens": args.max_tokens,
                   "tier_mix": args.tier_mix, "loads": loads, "seeds": seeds,
                   "duration": args.duration,
-                  "bars": {"tier0": bars.first, "others": bars.others}},
+                  "bars": {"tier0": bars.first, "others": bars.others,
+                           "feasible_only": bars.feasible_only}},
         "runs": []}
     runs: list[dict] = out["runs"]  # type: ignore[assignment]
 

@@ -28,7 +28,7 @@ from scheduler.invariants import (
 from scheduler.request import RequestState
 from scheduler.sim.belady import belady_hits
 from scheduler.sim.simulator import Simulator
-from scheduler.sim.slo import met_slo
+from scheduler.sim.slo import is_feasible, met_slo
 
 STARVATION_FLOOR = 0.8
 
@@ -55,7 +55,7 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
         p["total"] += 1  # type: ignore[operator]
         spec = tiers[req.tier]
         # Feasible: its prefill alone, on an idle worker with a cold cache, fits TTFT.
-        feasible = spec.ttft_s is None or sim.cost.prefill_s(req.prompt_len, 0) <= spec.ttft_s
+        feasible = is_feasible(req.prompt_len, spec, sim.cost.prefill_s)
         p["feasible"] += int(feasible)  # type: ignore[operator]
         p["demand"] += req.prompt_len + out  # type: ignore[operator]
         if req.state is RequestState.REJECTED:

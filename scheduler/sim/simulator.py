@@ -46,7 +46,7 @@ from scheduler.policy import PolicyContext
 from scheduler.request import DecisionRecord, Request, RequestState
 from scheduler.sim.cluster import ClusterSpec
 from scheduler.sim.costmodel import CostModel
-from scheduler.sim.slo import SloBars, met_slo
+from scheduler.sim.slo import SloBars, is_feasible, met_slo
 from scheduler.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from scheduler.sim.workers import DecodeWorker, Held, PrefillWorker, SimWorker
 from scheduler.step_costs import StepCosts
@@ -185,7 +185,8 @@ class Simulator:
         self._misses = [0] * tiers.num_tiers
         counts = [0] * tiers.num_tiers
         for tr in self.trace:
-            counts[tr.tier] += 1
+            if self._counts(tr.req_id, tr.prompt_len, tr.tier):
+                counts[tr.tier] += 1
         self._allowed = ([stop_below.allowed_misses(t, n) for t, n in enumerate(counts)]
                          if stop_below is not None else [])
         self._hash_parts: dict[int, tuple[int, ...]] = {}
@@ -349,11 +350,18 @@ class Simulator:
             job.req = req
             self._unfinished -= 1
             self._last_progress = self.now
-            if self._allowed and not met_slo(req, job.num_output_tokens, self.tiers[req.tier]):
+            if (self._allowed and self._counts(req.req_id, req.prompt_len, req.tier)
+                    and not met_slo(req, job.num_output_tokens, self.tiers[req.tier])):
                 self._misses[req.tier] += 1
                 if self._misses[req.tier] > self._allowed[req.tier]:
                     self.missed_tier = req.tier
                     raise _Missed
+
+    def _counts(self, req_id: str, prompt_len: int, tier: int) -> bool:
+        """Whether the request counts towards ``stop_below``'s bars (all, or the feasible)."""
+        bars = self.stop_below
+        return bars is not None and (not bars.feasible_only or is_feasible(
+            prompt_len, self.tiers[tier], self.cost.prefill_s))
 
     def _on_step_done(self, arg: tuple[SimWorker, int]) -> None:
         w, version = arg

@@ -2,14 +2,18 @@
 
 A request meets its SLO when it completed (stop or length) within every target of its
 tier: TTFT, TPOT (mean time per output token after the first) and end to end. A rejected
-or aborted request does not. :class:`SloBars` are the attainment bars a run must clear
-for its load to count towards SLO capacity (DistServe's per-GPU goodput, with tiers):
-tier 0 at least 99 %, every other tier at least 90 % by default.
+or aborted request does not. It is feasible when its prefill alone, on an idle worker
+with a cold cache, fits its tier's TTFT (no scheduler can serve the others in time).
+:class:`SloBars` are the attainment bars a run must clear for its load to count towards
+SLO capacity (DistServe's per-GPU goodput, with tiers): tier 0 at least 99 %, every
+other tier at least 90 % by default; with ``feasible_only`` the bars apply to the
+feasible requests of each tier.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.request import Request, RequestState
@@ -32,12 +36,21 @@ def met_slo(req: Request, num_output_tokens: int, spec: TierSpec) -> bool:
             and (spec.e2e_s is None or e2e <= spec.e2e_s))
 
 
+def is_feasible(prompt_len: int, spec: TierSpec, prefill_s: Callable[[int, int], float]
+                ) -> bool:
+    """The prompt's prefill alone (``prefill_s``: the cost model's, on an idle worker with
+    a cold cache) fits the tier's TTFT target, if it has one."""
+    return spec.ttft_s is None or prefill_s(prompt_len, 0) <= spec.ttft_s
+
+
 @dataclass(frozen=True, slots=True)
 class SloBars:
-    """Attainment a run needs per tier: ``first`` for tier 0, ``others`` for the rest."""
+    """Attainment a run needs per tier: ``first`` for tier 0, ``others`` for the rest;
+    ``feasible_only``: among the tier's feasible requests."""
 
     first: float = 0.99
     others: float = 0.90
+    feasible_only: bool = False
 
     def __post_init__(self) -> None:
         if not (0 < self.first <= 1 and 0 < self.others <= 1):
@@ -54,11 +67,12 @@ class SloBars:
         """Every tier of a summarized run (``scheduler.sim.metrics.summarize``) clears."""
         tiers = run["tiers"]
         assert isinstance(tiers, dict)
+        key = "attainment_feasible" if self.feasible_only else "attainment"
         for t, d in tiers.items():
-            att = d["attainment"]
+            att = d[key]
             if att is not None and att < self.bar(int(t)) - 1e-12:
                 return False
         return True
 
 
-__all__ = ["SloBars", "met_slo"]
+__all__ = ["SloBars", "is_feasible", "met_slo"]

@@ -1,6 +1,6 @@
 """What ``tierserve simulate --tune-peers`` tries for each peer: its documented step flags.
 
-Each peer is swept over the step budget its users tune (512 to 8,192 tokens:
+Each peer is swept over the step budget its users tune (256 to 8,192 tokens:
 ``max_num_batched_tokens`` for vLLM and the vLLM engines behind Dynamo,
 ``chunked_prefill_size`` for SGLang), vLLM also with ``long_prefill_token_threshold`` at
 its documented default when chunked prefills overlap (4 % of ``max_model_len``: 327
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from scheduler.policy_spec import PolicySpec
 
-STEP_BUDGETS = (512, 1024, 2048, 4096, 8192)
+STEP_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_BUDGET = 8192
 # vLLM: long_prefill_token_threshold = int(0.04 * max_model_len) when
 # max_num_partial_prefills > 1 (SchedulerConfig); Llama-3-8B's max_model_len is 8,192.

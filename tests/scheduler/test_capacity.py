@@ -3,6 +3,8 @@ the peers' tuning grids."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler.request import RequestState
@@ -92,8 +94,26 @@ def test_every_peer_is_tuned_over_its_step_budgets_with_its_defaults_first() -> 
                       ("dynamo-priority", "max_num_batched_tokens")):
         grid = peer_grid(name)
         budgets = {dict(s.settings)[key] for s in grid}
-        assert budgets == {"512", "1024", "2048", "4096", "8192"}, name
+        assert budgets == {"256", "512", "1024", "2048", "4096", "8192"}, name
         assert grid[0].settings == ((key, "8192"),), name
     assert any("long_prefill_token_threshold" in dict(s.settings) for s in peer_grid("vllm-priority"))
     assert any("router_queue_threshold" in dict(s.settings) for s in peer_grid("dynamo-priority"))
     assert peer_grid("tierserve") == []
+
+
+def test_feasible_bars_count_only_requests_an_idle_worker_could_serve_in_time() -> None:
+    run = {"tiers": {"0": {"attainment": 0.9, "attainment_feasible": 1.0},
+                     "1": {"attainment": 0.95, "attainment_feasible": 0.95}}}
+    assert not SloBars().cleared(run) and SloBars(feasible_only=True).cleared(run)
+    cost = CostModel(PROFILES["h200-llama3-8b"])
+    cluster = parse_cluster("prefill=1,decode=1,gpus_per_node=2", 51_000)
+    # Tier-0 prompts of 9,000 tokens take ~290 ms to prefill on an idle H200: none is
+    # feasible, so they miss the strict bar and are not counted by the feasible one.
+    trace = [t if t.tier else dataclasses.replace(t, prompt_len=9000)
+             for t in poisson("rate=2,duration=30,prompt=300,output=20", seed=4)]
+    strict = Simulator(trace, "tierserve", cluster, cost, TIERS, stop_below=SloBars()).run()
+    loose = Simulator(trace, "tierserve", cluster, cost, TIERS,
+                      stop_below=SloBars(feasible_only=True)).run()
+    assert strict.stopped_early and strict.missed_tier == 0
+    assert not loose.stopped_early
+    assert SloBars(feasible_only=True).cleared(summarize(loose, 1.0))
