@@ -77,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep each peer over its documented step settings, keep its best")
     p.add_argument("--tune-load", default=None,
                    help="sweep loads of --tune-peers (default: --load)")
+    p.add_argument("--tune-bisect", type=int, default=None,
+                   help="bisection steps of --tune-peers (default: --bisect)")
     p.add_argument("--bars", default="99,90",
                    help="attainment bars of --capacity in %%: tier 0, other tiers (99,90)")
     p.add_argument("--feasible", action="store_true",
@@ -183,8 +185,9 @@ def _tune(runner: _Runner, peers: list[str], loads: list[float], seed: int,
         tried = []
         top: tuple[float, str] | None = None
         for spec in peer_grid(name):
+            steps = runner.args.bisect if runner.args.tune_bisect is None else runner.args.tune_bisect
             res = find_capacity(lambda load, s=spec.label: runner.probe(s, load, seed), loads,
-                                bisect_steps=runner.args.bisect)
+                                bisect_steps=steps)
             tried.append({"policy": spec.label, "slo_capacity": res.capacity,
                           "is_lower_bound": res.is_lower_bound})
             print(f"tune {spec.label}: SLO capacity {res.capacity:g}"
@@ -236,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
         "setup": {"trace": args.trace, "format": fmt, "cluster": args.cluster,
                   "profile": args.profile, "mode": args.mode, "max_tokens": args.max_tokens,
                   "tier_mix": args.tier_mix, "loads": loads, "seeds": seeds,
-                  "duration": args.duration,
+                  "duration": args.duration, "bisect": args.bisect,
+                  "tune_load": tune_loads if args.tune_peers else None,
+                  "tune_bisect": args.tune_bisect,
                   "bars": {"tier0": bars.first, "others": bars.others,
                            "feasible_only": bars.feasible_only}},
         "runs": []}
