@@ -112,11 +112,13 @@ def _row(run: dict) -> list[str]:
     rows = []
     tag = f"{run['policy']}" + (f" s{run['seed']}" if "seed" in run else "")
     for t, d in run["tiers"].items():
-        att = "-" if d["attainment"] is None else f"{100 * d['attainment']:.1f}"
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{100 * x:.1f}"
 
         def ms(x: float | None) -> str:
             return "-" if x is None else f"{1000 * x:.0f}"
-        rows.append(f"{tag:<24} {run['load']:>6g} {t:>4} {att:>6} {ms(d['ttft_p50']):>8} "
+        rows.append(f"{tag:<24} {run['load']:>6g} {t:>4} {pct(d['attainment']):>6} "
+                    f"{pct(d['attainment_feasible']):>6} {ms(d['ttft_p50']):>8} "
                     f"{ms(d['ttft_p99']):>8} {ms(d['tpot_p99']):>7} {d['completed']:>6} "
                     f"{d['rejected']:>5} {100 * d['token_share']:>6.1f}")
     hit = run["prefix_hit_rate"]
@@ -258,8 +260,9 @@ def run(args: argparse.Namespace) -> int:
                      tune_loads, seeds[0], save, out)
         labels = [best.get(check_policy(t).name, t) if t in peers else t for t in labels]
         labels = list(dict.fromkeys(labels))
-    print(f"{'policy':<24} {'load':>6} {'tier':>4} {'att%':>6} {'ttft50':>8} {'ttft99':>8} "
-          f"{'tpot99':>7} {'done':>6} {'rej':>5} {'tok%':>6}   (times in ms)")
+    print(f"{'policy':<24} {'load':>6} {'tier':>4} {'att%':>6} {'feas%':>6} {'ttft50':>8} "
+          f"{'ttft99':>8} {'tpot99':>7} {'done':>6} {'rej':>5} {'tok%':>6}   (times in ms; "
+          "feas%: attainment among requests an idle worker could serve in time)")
     by_seed: dict[str, dict[str, float]] = {}
     for label in labels:
         for seed in seeds:
