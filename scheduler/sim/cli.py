@@ -158,13 +158,18 @@ class _Runner:
     def probe(self, label: str, load: float, seed: int) -> bool:
         """Whether the run clears the bars; it stops as soon as it cannot."""
         sim = self._sim(label, load, seed, stop=True)
+        attainment: dict[str, object] | None = None
         if sim.stopped_early:
             ok = False
         else:
-            ok = self.bars.cleared(summarize(sim, load, with_belady=False))
+            r = summarize(sim, load, with_belady=False)
+            ok = self.bars.cleared(r)
+            attainment = {t: (d["attainment"], d["attainment_feasible"])
+                          for t, d in r["tiers"].items()}  # type: ignore[union-attr]
         self.probes.append({"policy": label, "load": load, "seed": seed, "cleared": ok,
                             "stopped_early": sim.stopped_early, "missed_tier": sim.missed_tier,
-                            "sim_end_s": sim.now, "wall_s": sim.wall_s})
+                            "attainment": attainment, "sim_end_s": sim.now,
+                            "wall_s": sim.wall_s})
         print(f"{'probe ' + label + f' s{seed}':<40} load {load:>7.4g}: "
               f"{'clears' if ok else 'misses'} the SLO bars"
               + (f" (tier {sim.missed_tier}, stopped at {sim.now:.0f} s)"
