@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Markdown tables from `tierserve simulate --json` output, for the results pages.
+
+Usage: scripts/sim_tables.py RESULT.json [RESULT.json ...]
+
+Prints, for each file: the SLO capacity per policy (mean +- std over seeds, range,
+per seed), the peers' tuning (each setting's capacity on the tuning seed, the winner in
+bold) and the load curves (goodput and attainment per tier, mean over seeds with the
+range of tier 0). Reads JSON only; every figure it prints is in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def capacity(res: dict) -> list[str]:
+    caps = res.get("slo_capacity_spread")
+    if not caps:
+        return []
+    lower = res.get("slo_capacity_is_lower_bound", {})
+    by_seed = res.get("slo_capacity_by_seed", {})
+    out = ["| policy | SLO capacity (mean +- std) | range | per seed |", "|---|---|---|---|"]
+    for label, s in sorted(caps.items(), key=lambda kv: -kv[1]["mean"]):
+        seeds = ", ".join(f"{v:g}" for v in by_seed.get(label, {}).values())
+        flag = " (at least)" if lower.get(label) else ""
+        out.append(f"| `{label}` | {s['mean']:.2f} +- {s['std']:.2f}{flag} | "
+                   f"{s['min']:g}-{s['max']:g} | {seeds} |")
+    return out
+
+
+def tuning(res: dict) -> list[str]:
+    tuned = res.get("tuning")
+    if not tuned:
+        return []
+    best = res.get("best_tuned", {})
+    out = ["| peer | settings tried: SLO capacity on the tuning seed |", "|---|---|"]
+    for peer, tried in tuned.items():
+        cells = []
+        for t in tried:
+            spec = t["policy"].partition(":")[2] or "defaults"
+            cell = f"{spec}: {t['slo_capacity']:g}"
+            cells.append(f"**{cell}**" if t["policy"] == best.get(peer) else cell)
+        out.append(f"| {peer} | " + "; ".join(cells) + " |")
+    return out
+
+
+def curves(res: dict) -> list[str]:
+    runs = res.get("runs", [])
+    if not runs:
+        return []
+    by: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for r in runs:
+        by[(r["policy"], r["load"])].append(r)
+    out = ["| policy | load | goodput req/s | tier 0 (min-max) | tier 1 | tier 2 | tier 3 | "
+           "tier-0 feasible | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    for (label, load), rs in by.items():
+        t0 = [100 * (r["tiers"]["0"]["attainment"] or 0) for r in rs]
+        out.append(f"| `{label}` | {load:g} | {_f(_mean([r['goodput_rps'] for r in rs]))} | "
+                   f"{_f(_att(rs, '0'), 1)} ({min(t0):.1f}-{max(t0):.1f}) | "
+                   f"{_f(_att(rs, '1'), 1)} | {_f(_att(rs, '2'), 1)} | {_f(_att(rs, '3'), 1)} | "
+                   f"{_f(_att(rs, '0', 'attainment_feasible'), 1)} | {len(rs)} |")
+    return out
+
+
+def _mean(vals: list[float | None]) -> float | None:
+    got = [v for v in vals if v is not None]
+    return sum(got) / len(got) if got else None
+
+
+def _att(rs: list[dict], tier: str, key: str = "attainment") -> float | None:
+    m = _mean([r["tiers"][tier][key] for r in rs])
+    return None if m is None else 100 * m
+
+
+def main(paths: list[str]) -> int:
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        print(f"## {path}\n")
+        for block in (capacity(res), tuning(res), curves(res)):
+            if block:
+                print("\n".join(block) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
