@@ -14,7 +14,8 @@ over seeds), ``slo_capacity_by_seed`` and ``slo_capacity_spread``. A bisection p
 as soon as a tier has missed more than its bar allows. ``--no-curves`` makes the sweep
 loads such probes too (capacity only, no full runs). ``--tune-peers`` first sweeps every
 peer over its documented step settings (:mod:`scheduler.sim.tuning`) on the first seed,
-keeps each one's best by SLO capacity (the defaults on a tie) and runs that in its place;
+keeps each one's best by SLO capacity (the defaults on a tie) and runs that in its place
+(``--tune-window``: ranked on the trace's first seconds only);
 the JSON gains ``best_tuned`` (peer -> the spec that won) and ``tuning``.
 
 ``--mode`` picks where prefills run (the cluster scheduler's ``PoolMode``);
@@ -79,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep loads of --tune-peers (default: --load)")
     p.add_argument("--tune-bisect", type=int, default=None,
                    help="bisection steps of --tune-peers (default: --bisect)")
+    p.add_argument("--tune-window", type=float, default=None,
+                   help="--tune-peers replays only the trace's first S seconds (before "
+                        "scaling): the settings are ranked on a part of the trace")
     p.add_argument("--bars", default="99,90",
                    help="attainment bars of --capacity in %%: tier 0, other tiers (99,90)")
     p.add_argument("--feasible", action="store_true",
@@ -147,6 +151,7 @@ class _Runner:
         self.bars = bars
         self.mode = PoolMode(args.mode)
         self.probes: list[dict[str, object]] = []
+        self.window: float | None = None  # replay only arrivals before this (trace seconds)
 
     def full(self, label: str, load: float, seed: int) -> dict:
         sim = self._sim(label, load, seed, stop=False)
@@ -168,7 +173,8 @@ class _Runner:
                           for t, d in r["tiers"].items()}  # type: ignore[union-attr]
         self.probes.append({"policy": label, "load": load, "seed": seed, "cleared": ok,
                             "stopped_early": sim.stopped_early, "missed_tier": sim.missed_tier,
-                            "attainment": attainment, "sim_end_s": sim.now,
+                            "attainment": attainment, "requests": len(sim.jobs),
+                            "sim_end_s": sim.now,
                             "wall_s": sim.wall_s})
         print(f"{'probe ' + label + f' s{seed}':<40} load {load:>7.4g}: "
               f"{'clears' if ok else 'misses'} the SLO bars"
@@ -178,7 +184,10 @@ class _Runner:
         return ok
 
     def _sim(self, label: str, load: float, seed: int, *, stop: bool) -> Simulator:
-        trace = scale_load(self.bases[seed], load, self.args.duration)
+        base = self.bases[seed]
+        if self.window is not None:
+            base = [r for r in base if r.arrival < self.window]
+        trace = scale_load(base, load, self.args.duration)
         return Simulator(trace, label, self.cluster, self.cost, self.tiers, mode=self.mode,
                          max_tokens=self.args.max_tokens,
                          stop_below=self.bars if stop else None).run()
@@ -248,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
                   "tier_mix": args.tier_mix, "loads": loads, "seeds": seeds,
                   "duration": args.duration, "bisect": args.bisect,
                   "tune_load": tune_loads if args.tune_peers else None,
-                  "tune_bisect": args.tune_bisect,
+                  "tune_bisect": args.tune_bisect, "tune_window": args.tune_window,
                   "bars": {"tier0": bars.first, "others": bars.others,
                            "feasible_only": bars.feasible_only}},
         "runs": []}
@@ -261,8 +270,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune_peers:
         peers = [t for t in labels if check_policy(t).name != "tierserve"]
+        runner.window = args.tune_window
         best = _tune(runner, list(dict.fromkeys(check_policy(t).name for t in peers)),
                      tune_loads, seeds[0], save, out)
+        runner.window = None
         labels = [best.get(check_policy(t).name, t) if t in peers else t for t in labels]
         labels = list(dict.fromkeys(labels))
     print(f"{'policy':<24} {'load':>6} {'tier':>4} {'att%':>6} {'feas%':>6} {'ttft50':>8} "

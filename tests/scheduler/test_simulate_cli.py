@@ -74,9 +74,14 @@ def test_capacity_per_seed_and_best_tuned_peers_reach_the_json(
     rc = main(["simulate", "--trace", "rate=6,duration=8,prompt=600,output=40", "--format",
                "poisson", "--policies", "tierserve,vllm-priority:max_num_batched_tokens=1024",
                "--load", "1,4", "--seeds", "0,1", "--capacity", "--bisect", "1",
-               "--tune-peers", "--tune-load", "2", "--cluster", SMALL, "--json", str(out)])
+               "--tune-peers", "--tune-load", "2", "--tune-window", "5", "--cluster", SMALL,
+               "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
+    assert res["setup"]["tune_window"] == 5
+    tuning_probes = [p for p in res["probes"] if p["policy"] not in res["slo_capacity"]]
+    # Tuning replays the trace's first 5 of 8 seconds; the headline runs replay all of it.
+    assert max(p["requests"] for p in tuning_probes) < min(r["requests"] for r in res["runs"])
     best = res["best_tuned"]["vllm-priority"]
     assert best.startswith("vllm-priority:max_num_batched_tokens=")
     tried = [t["policy"] for t in res["tuning"]["vllm-priority"]]
