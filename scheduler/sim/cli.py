@@ -219,6 +219,44 @@ def _tune(runner: _Runner, peers: list[str], loads: list[float], seed: int,
     return best
 
 
+def _headline(runner: _Runner, labels: list[str], seeds: list[int], loads: list[float],
+              out: dict[str, object], save: Callable[[], None]) -> None:
+    """Every policy at every seed: the sweep loads run in full (unless --no-curves),
+    then, with --capacity, its SLO capacity bisected below the first that fails."""
+    args = runner.args
+    runs: list[dict] = out["runs"]  # type: ignore[assignment]
+    print(f"{'policy':<24} {'load':>6} {'tier':>4} {'att%':>6} {'feas%':>6} {'ttft50':>8} "
+          f"{'ttft99':>8} {'tpot99':>7} {'done':>6} {'rej':>5} {'tok%':>6}   (times in ms; "
+          "feas%: attainment among requests an idle worker could serve in time)")
+    by_seed: dict[str, dict[str, float]] = {}
+    for label in labels:
+        for seed in seeds:
+            known: dict[float, bool] = {}
+            if not (args.capacity and args.no_curves):
+                for load in loads:
+                    r = runner.full(label, load, seed)
+                    runs.append(r)
+                    known[load] = bool(r["cleared"])
+                    for line in _row(r):
+                        print(line, flush=True)
+                    save()
+            if not args.capacity:
+                continue
+            res = find_capacity(lambda load, lb=label, s=seed: runner.probe(lb, load, s),
+                                loads, bisect_steps=args.bisect, known=known)
+            by_seed.setdefault(label, {})[str(seed)] = res.capacity
+            print(f"{label} seed {seed}: SLO capacity {res.capacity:g}"
+                  + (" (at least: every sweep load cleared)" if res.is_lower_bound else ""),
+                  flush=True)
+            if res.is_lower_bound:
+                out.setdefault("slo_capacity_is_lower_bound", {})[label] = True  # type: ignore[union-attr]
+            spreads = {lb: Spread.of(list(v.values())) for lb, v in by_seed.items()}
+            out["slo_capacity_by_seed"] = by_seed
+            out["slo_capacity"] = {lb: sp.mean for lb, sp in spreads.items()}
+            out["slo_capacity_spread"] = {lb: sp.to_dict() for lb, sp in spreads.items()}
+            save()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         tiers = default_tiers()
@@ -261,7 +299,6 @@ def run(args: argparse.Namespace) -> int:
                   "bars": {"tier0": bars.first, "others": bars.others,
                            "feasible_only": bars.feasible_only}},
         "runs": []}
-    runs: list[dict] = out["runs"]  # type: ignore[assignment]
 
     def save() -> None:
         out["probes"] = runner.probes
@@ -276,36 +313,9 @@ def run(args: argparse.Namespace) -> int:
         runner.window = None
         labels = [best.get(check_policy(t).name, t) if t in peers else t for t in labels]
         labels = list(dict.fromkeys(labels))
-    print(f"{'policy':<24} {'load':>6} {'tier':>4} {'att%':>6} {'feas%':>6} {'ttft50':>8} "
-          f"{'ttft99':>8} {'tpot99':>7} {'done':>6} {'rej':>5} {'tok%':>6}   (times in ms; "
-          "feas%: attainment among requests an idle worker could serve in time)")
-    by_seed: dict[str, dict[str, float]] = {}
-    for label in labels:
-        for seed in seeds:
-            known: dict[float, bool] = {}
-            if not (args.capacity and args.no_curves):
-                for load in loads:
-                    r = runner.full(label, load, seed)
-                    runs.append(r)
-                    known[load] = bool(r["cleared"])
-                    for line in _row(r):
-                        print(line, flush=True)
-                    save()
-            if args.capacity:
-                res = find_capacity(lambda load, lb=label, s=seed: runner.probe(lb, load, s),
-                                    loads, bisect_steps=args.bisect, known=known)
-                by_seed.setdefault(label, {})[str(seed)] = res.capacity
-                print(f"{label} seed {seed}: SLO capacity {res.capacity:g}"
-                      + (" (at least: every sweep load cleared)" if res.is_lower_bound else ""),
-                      flush=True)
-                if res.is_lower_bound:
-                    out.setdefault("slo_capacity_is_lower_bound", {})[label] = True  # type: ignore[union-attr]
-                out["slo_capacity_by_seed"] = by_seed
-                spreads = {lb: Spread.of(list(v.values())) for lb, v in by_seed.items()}
-                out["slo_capacity"] = {lb: s.mean for lb, s in spreads.items()}
-                out["slo_capacity_spread"] = {lb: s.to_dict() for lb, s in spreads.items()}
-                save()
+    _headline(runner, labels, seeds, loads, out, save)
     save()
+    runs: list[dict] = out["runs"]  # type: ignore[assignment]
     if args.plot and runs:
         from scheduler.sim.plots import plot_load_curves
 
