@@ -3,9 +3,13 @@
 Data flow (Ray Serve LLM style)::
 
     ClusterConfig ──start_workers──▶ named global scheduler actor + prefill/decode worker
-    actors (setup: model loaded, KV endpoint open, location found) ──register──▶ scheduler
-    ──build_router_app──▶ Serve application (FastAPI ingress bound to the scheduler and
-    the decode workers) ──deploy──▶ http://host:port
+    actors (each sets itself up: model loaded, KV endpoint open, location found, then
+    registers itself with the scheduler) ──build_router_app──▶ Serve application
+    (FastAPI ingress bound to the scheduler and the decode workers) ──deploy──▶
+    http://host:port
+
+Every actor runs with ``max_restarts=-1``: Ray starts a crashed one again under the same
+name, and it sets up and registers again by itself (``cluster/supervisor.py``).
 
 ``RunningCluster.shutdown()`` tears it down in reverse. Worker actors use fractional
 CPUs on CPU machines (``pools.num_cpus_per_worker``) and GPUs where configured; with
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.messages import pack, scheduler_actor_name, unpack, worker_actor_name
+from cluster.messages import scheduler_actor_name, unpack, worker_actor_name
 from cluster.topology import domain_resource, role_resource
 from cluster.worker_runtime import resolve_model_path
 
@@ -76,7 +80,8 @@ def _worker_options(cfg: ClusterConfig, role: str, index: int, namespace: str,
         "num_cpus": cfg.pools.num_cpus_per_worker,
         "num_gpus": cfg.pools.num_gpus_per_worker,
         "max_concurrency": 1000,
-        "max_restarts": 0,
+        # Ray restarts a worker whose process died; it registers again by itself.
+        "max_restarts": -1,
     }
     if detached:
         opts["lifetime"] = "detached"
@@ -108,9 +113,12 @@ def launch_workers(cfg: ClusterConfig, *, suffix: str = "", namespace: str | Non
     life = {"lifetime": "detached"} if detached else {}
     have = set(ray.cluster_resources())
     sname = scheduler_actor_name(suffix)
+    expected = [worker_actor_name("prefill", i) + suffix for i in range(cfg.pools.num_prefill)]
+    expected += [worker_actor_name("decode", i) + suffix for i in range(cfg.pools.num_decode)]
     sched = scheduler_actor().options(name=sname, namespace=namespace,
-                                      num_cpus=SCHEDULER_NUM_CPUS,
-                                      max_concurrency=1000, **life).remote(cfg.to_dict())
+                                      num_cpus=SCHEDULER_NUM_CPUS, max_restarts=-1,
+                                      max_concurrency=1000, **life).remote(cfg.to_dict(),
+                                                                           expected)
     h = ClusterHandles(namespace, sname, sched)
     cfg_dict = cfg.to_dict()
     for i in range(cfg.pools.num_prefill):
@@ -154,11 +162,10 @@ def attach_workers(cfg: ClusterConfig, namespace: str, *, suffix: str = "") -> C
 
 
 def await_workers(h: ClusterHandles, setup_refs: list[Any]) -> ClusterHandles:
-    """Wait for every worker's setup and register them with the scheduler."""
+    """Wait until every worker has set up and registered itself with the scheduler."""
     import ray
 
     h.infos = [unpack(b) for b in ray.get(setup_refs, timeout=SETUP_TIMEOUT_S)]
-    ray.get(h.scheduler.register.remote(pack(h.infos), {**h.prefill, **h.decode}), timeout=60)
     for info in h.infos:
         log.info("%s on node %s, domain %s, %d KV blocks", info["worker_id"],
                  info["location"]["node"], info["location"]["nvlink_domain"],
@@ -259,6 +266,13 @@ def deploy(cfg: ClusterConfig, *, suffix: str = "") -> RunningCluster:
 # is read when Ray starts, so only a Ray instance started here can have it.
 _THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 _DI_MIN, _DI_MAX = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+# Serve holds a dead replica's port out of use for 150 s, so that HAProxy workers drop
+# their stale route first. Here one replica serves the router's port itself and no HAProxy
+# routes to it: the replacement of a crashed replica must take that same port at once.
+_PORT_QUARANTINE_ENV = "RAY_SERVE_PORT_QUARANTINE_S"
+# Serve drains a direct-ingress replica for at least 30 s before it stops, for a proxy in
+# front to stop routing to it; none is in front here, so Ctrl-C need not wait that long.
+_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def direct_ingress_port() -> int | None:
@@ -288,6 +302,8 @@ def init_ray(address: str | None, *, num_cpus: int | None = None,
         os.environ[_THROUGHPUT_ENV] = "1"
         os.environ[_DI_MIN] = str(direct_ingress_port)
         os.environ[_DI_MAX] = str(direct_ingress_port + 1)
+        os.environ.setdefault(_PORT_QUARANTINE_ENV, "0")
+        os.environ.setdefault(_DRAIN_ENV, "2")
     if address:
         ray.init(address=address, namespace="tierserve", log_to_driver=True)
     else:

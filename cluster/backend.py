@@ -12,10 +12,19 @@ Data flow of ``generate(spec)``::
     scheduler.finish(FinishBatch)  client-side timings, batched, after the last token
 
 A request whose decode worker dies (its subscription breaks) or that the cluster ends
-with a retryable error (``worker_failed``, ``transfer_failed``) is retried on the live
-workers: the new attempt's prompt is the original prompt plus the tokens already
-streamed (recompute), so the client sees one uninterrupted answer. Each remote call is
-awaited with a timeout; nothing here blocks the event loop.
+with a retryable error (``worker_failed``, ``transfer_failed``, ``scheduler_restarted``)
+is retried on the live workers: the new attempt's prompt is the original prompt plus the
+tokens already streamed (recompute), so the client sees one uninterrupted answer. A retry
+that finds no live worker tries again for up to ``RETRY_PATIENCE_S`` (a replacement may
+register meanwhile), then ends with a clear error. Each remote call is awaited with a
+timeout; nothing here blocks the event loop.
+
+While the global scheduler is unreachable (its process restarting: a call failed, or the
+notice stream broke) new requests get 503 with a Retry-After at once, without an RPC,
+and ``/health`` says so; tokens of requests already decoding keep flowing, since they come
+from the decode workers directly. When the notice stream opens again the router tells the
+scheduler which requests it still waits on (``Claim``): the ones the scheduler came back
+without (they were queued there) are retried.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from router.backend import (
 from scheduler.messages import (
     RETRYABLE_ERRORS,
     AbortBatch,
+    Claim,
+    ClaimAnswer,
     FinishBatch,
     FinishTiming,
     MessageError,
@@ -60,6 +71,13 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 FINISH_FLUSH_S = 0.05
 RESUBSCRIBE_S = 0.5
+# Retry-After for a 503 (no scheduler, no live worker): about a restart of a process.
+RETRY_AFTER_S = 2.0
+# A retry after a failure waits this long at most for a live worker to take it.
+RETRY_PATIENCE_S = 5.0
+RETRY_POLL_S = 0.5
+# A Claim waits while a restarted scheduler settles (scheduler_actor.SETTLE_GRACE_S).
+CLAIM_TIMEOUT_S = 30.0
 
 
 class HFTokenizer:
@@ -67,6 +85,19 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        self._vocab_size = len(tokenizer)
+        # A token's text is at least as long in UTF-8 as the bytes it stands for (byte-level
+        # BPE marks and sentencepiece's byte pieces only make it longer): a safe bound.
+        self._max_token_bytes = max(
+            (len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=1)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self._max_token_bytes
 
     @classmethod
     def from_path(cls, path: str) -> HFTokenizer:
@@ -93,6 +124,7 @@ class HFTokenizer:
 class _Live:
     queue: asyncio.Queue[WireDelta]
     worker_id: str | None = None
+    is_accepted: bool = False  # the scheduler took it: it is in a Claim
 
 
 class ClusterBackend:
@@ -116,6 +148,9 @@ class ClusterBackend:
         self._submitting: asyncio.Task[None] | None = None
         self._finishes: list[FinishTiming] = []
         self._finisher: asyncio.Task[None] | None = None
+        # Since when the global scheduler is unreachable (None: reachable, as far as known).
+        self._sched_down_since: float | None = None
+        self._gone_workers: set[str] = set()
 
     @property
     def model_name(self) -> str:
@@ -149,6 +184,9 @@ class ClusterBackend:
                     num_returns="streaming").remote(self.router_id)
                 async for ref in gen:
                     batch = decode(await ref, TokenBatch)
+                    if worker_id in self._gone_workers:
+                        self._gone_workers.discard(worker_id)
+                        log.info("decode worker %s streams again", worker_id)
                     for d in batch.deltas:
                         lv = self._live.get(d.req_id)
                         if lv is not None:
@@ -157,7 +195,9 @@ class ClusterBackend:
             except asyncio.CancelledError:
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                log.warning("decode worker %s is gone (%s)", worker_id, type(e).__name__)
+                if worker_id not in self._gone_workers:  # once per outage, not per retry
+                    log.warning("decode worker %s is gone (%s)", worker_id, type(e).__name__)
+                    self._gone_workers.add(worker_id)
                 await self._lost(worker_id)
             except Exception:  # a broken frame or a transient failure: subscribe again
                 log.exception("token stream from %s broke", worker_id)
@@ -167,27 +207,70 @@ class ClusterBackend:
         for rid, lv in list(self._live.items()):
             if lv.worker_id == worker_id:
                 lv.queue.put_nowait(WireDelta(rid, (), None, "worker_failed"))
-        try:
+        try:  # the scheduler checks (a ping) and replaces it
             await self._rpc(self._sched.worker_failed.remote(worker_id))
         except BackendError:
-            log.warning("could not report dead worker %s", worker_id)
+            log.debug("could not report dead worker %s", worker_id)
 
     async def _read_notices(self) -> None:
+        broke = False
         while True:
             try:
                 gen = self._sched.notices.options(num_returns="streaming").remote(self.router_id)
+                opened = False
                 async for ref in gen:
                     batch = decode(await ref, NoticeBatch)
+                    if not opened:
+                        opened = True
+                        self._scheduler_back()
+                        if broke:
+                            self._spawn_claim()
                     self._set_shed(batch.shed_s_by_tier)
                     for n in batch.notices:
                         lv = self._live.get(n.req_id)
                         if lv is not None:
                             lv.queue.put_nowait(WireDelta(n.req_id, (), None, n.error))
+                broke = True  # the stream ended: the scheduler replaced it or went away
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # the scheduler restarting, or not ready yet
-                log.debug("notice stream broke: %s", e)
+            except Exception as e:  # the scheduler restarting
+                broke = True
+                self._scheduler_down(e)
             await asyncio.sleep(RESUBSCRIBE_S)
+
+    def _scheduler_down(self, e: BaseException) -> None:
+        if self._sched_down_since is None:
+            log.warning("the global scheduler is unreachable (%s); answering 503 until it "
+                        "is back", type(e).__name__)
+            self._sched_down_since = time.monotonic()
+
+    def _scheduler_back(self) -> None:
+        if self._sched_down_since is not None:
+            log.info("the global scheduler is back after %.1f s",
+                     time.monotonic() - self._sched_down_since)
+        self._sched_down_since = None
+
+    def _spawn_claim(self) -> None:
+        asyncio.get_running_loop().create_task(self._claim(), context=contextvars.Context())
+
+    async def _claim(self) -> None:
+        """Tell the (restarted) scheduler which requests this router still waits on; the
+        ones it does not know are retried."""
+        ids = tuple(aid for aid, lv in self._live.items() if lv.is_accepted)
+        try:
+            raw = await self._rpc(self._sched.claim.remote(encode(Claim(self.router_id, ids))),
+                                  CLAIM_TIMEOUT_S)
+            unknown = decode(raw, ClaimAnswer).unknown_req_ids
+        except (BackendError, MessageError) as e:
+            log.warning("could not claim %d requests: %s", len(ids), e)
+            return
+        for aid in unknown:
+            lv = self._live.get(aid)
+            if lv is not None:
+                lv.queue.put_nowait(WireDelta(aid, (), None, "scheduler_restarted"))
+        if unknown:
+            log.warning("%d of %d requests were lost with the scheduler; retrying them",
+                        len(unknown), len(ids))
 
     def _set_shed(self, shed_s: Sequence[float]) -> None:
         now = time.monotonic()
@@ -204,14 +287,26 @@ class ClusterBackend:
         import ray
 
         try:
-            return await asyncio.wait_for(ref, timeout or self._rpc_timeout_s)
+            got = await asyncio.wait_for(ref, timeout or self._rpc_timeout_s)
         except asyncio.TimeoutError:
             raise BackendError(BackendErrorKind.TIMEOUT, "the scheduler did not answer") from None
-        except ray.exceptions.RayActorError:
-            raise BackendError(BackendErrorKind.UNAVAILABLE, "the scheduler is down") from None
+        except ray.exceptions.RayActorError as e:
+            self._scheduler_down(e)
+            raise BackendError(BackendErrorKind.UNAVAILABLE, "the scheduler is restarting",
+                               retry_after_s=RETRY_AFTER_S) from None
         except ray.exceptions.RayTaskError as e:
             raise BackendError(BackendErrorKind.UNAVAILABLE,
-                               f"the scheduler refused: {e.cause!r}") from None
+                               f"the scheduler refused: {e.cause!r}",
+                               retry_after_s=RETRY_AFTER_S) from None
+
+        self._scheduler_back()  # it answered
+        return got
+
+    def _check_scheduler(self) -> None:
+        if self._sched_down_since is not None:
+            raise BackendError(BackendErrorKind.UNAVAILABLE,
+                               "the scheduler is restarting; retry shortly",
+                               retry_after_s=RETRY_AFTER_S)
 
     async def _submit(self, spec: GenerationSpec) -> SubmitAnswer:
         fut: asyncio.Future[SubmitAnswer] = asyncio.get_running_loop().create_future()
@@ -243,6 +338,7 @@ class ClusterBackend:
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[TokenDelta]:
         self._ensure_subscriptions()
+        self._check_scheduler()
         wait = self._shed_left(spec.tier)
         if wait > 0:
             raise BackendError(BackendErrorKind.REJECTED,
@@ -258,7 +354,7 @@ class ClusterBackend:
                 self._live[current.req_id] = lv
                 try:
                     failure = None
-                    ans = await self._submit(current)
+                    ans = await self._submit_patiently(current, retrying=attempt > 0)
                     if ans.outcome is SubmitOutcome.REJECTED:
                         raise BackendError(BackendErrorKind.REJECTED,
                                            f"admission rejected the request: {ans.reason}",
@@ -267,7 +363,9 @@ class ClusterBackend:
                         raise BackendError(BackendErrorKind.INVALID, ans.reason)
                     if ans.outcome is not SubmitOutcome.ACCEPTED:
                         raise BackendError(BackendErrorKind.UNAVAILABLE,
-                                           f"no worker can take the request: {ans.reason}")
+                                           f"no worker can take the request: {ans.reason}",
+                                           retry_after_s=ans.retry_after_s or RETRY_AFTER_S)
+                    lv.is_accepted = True
                     while True:
                         d = await lv.queue.get()
                         if d.error:
@@ -305,6 +403,21 @@ class ClusterBackend:
         finally:
             self._attempt.pop(spec.req_id, None)
 
+    async def _submit_patiently(self, spec: GenerationSpec, *, retrying: bool) -> SubmitAnswer:
+        """Submit; a retry that finds no live worker (or no scheduler) tries again for up
+        to RETRY_PATIENCE_S, so a replacement that registers meanwhile takes it."""
+        deadline = time.monotonic() + (RETRY_PATIENCE_S if retrying else 0.0)
+        while True:
+            try:
+                ans = await self._submit(spec)
+            except BackendError as e:
+                if e.kind is not BackendErrorKind.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+            else:
+                if ans.outcome is not SubmitOutcome.UNAVAILABLE or time.monotonic() >= deadline:
+                    return ans
+            await asyncio.sleep(RETRY_POLL_S)
+
     def _finish(self, current: GenerationSpec, first: float | None, n: int, outcome: str,
                 original: GenerationSpec) -> None:
         """Queue the request's client-side timings; sent in batches, never awaited by the
@@ -333,6 +446,10 @@ class ClusterBackend:
 
     async def health(self) -> dict[str, Any]:
         self._ensure_subscriptions()
+        if self._sched_down_since is not None:
+            return {"ok": False, "live_workers": {"prefill": 0, "decode": 0},
+                    "detail": "the global scheduler is restarting",
+                    "down_s": round(time.monotonic() - self._sched_down_since, 1)}
         stats = unpack(await self._rpc(self._sched.stats.remote()))
         workers = stats["workers"]
         live = {r: sum(1 for w in workers.values() if w["alive"] and w["role"] == r)
@@ -342,8 +459,8 @@ class ClusterBackend:
             live["prefill"] > 0 or mode == "aggregated")
         return {"ok": ok, "live_workers": live, "policy": stats["policy"], "mode": mode}
 
-    async def why(self, req_id: str) -> dict[str, Any] | None:
-        return unpack(await self._rpc(self._sched.why.remote(req_id)))
+    async def why(self, req_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        return unpack(await self._rpc(self._sched.why.remote(req_id, tenant)))
 
     async def metrics(self) -> tuple[bytes, str]:
         from router.metrics import CONTENT_TYPE

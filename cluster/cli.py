@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-control": ("cluster.bench_control",
                       "requests per second through router and scheduler (stub engines)"),
     "why": ("cluster.why_cli", "explain why a request was late"),
+    "drill": ("cluster.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
 }
 
 

@@ -14,6 +14,7 @@ Every error is a :class:`ConfigError` whose message names the field
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -61,6 +62,10 @@ class ModelConfig(_Frozen):
     path: str = "default"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How attention reads the paged KV: "auto" (FlexAttention through block tables on CUDA,
+    # the native CPU kernels on CPU), "paged" (block-major pool; gathered SDPA on CUDA) or
+    # "flex" (layer-major pool; eager and slow on CPU). engine/README.md says why.
+    attention: Literal["auto", "paged", "flex"] = "auto"
     # The name clients pass as `model`; empty means the checkpoint folder's name.
     served_name: str = ""
 
@@ -94,6 +99,8 @@ class PoolsConfig(_Frozen):
     # CPU blocks each decode worker may swap out to.
     num_swap_blocks: int = Field(512, ge=0)
     prefill_chunk_size: int = Field(256, ge=1)
+    # CUDA graphs of decode-only steps up to this batch (flex attention on CUDA); 0: none.
+    cuda_graph_max_batch: int = Field(64, ge=0, le=1024)
     max_num_batched_tokens: int = Field(1024, ge=1)
     # Sequences in one engine step (vLLM's CPU server default, 128); within it the step
     # planner sizes the decode batch to the tiers' TPOT targets.
@@ -177,6 +184,11 @@ class SchedulingConfig(_Frozen):
     policy: str = "tierserve"
     # How often the global scheduler runs its deadline watcher and fair-share update.
     control_interval_s: float = Field(0.1, gt=0)
+    # A worker that has requests to step and makes no engine step (or sends no report) for
+    # this long is hung: the scheduler kills it and Ray starts it again (cluster/
+    # supervisor.py). Keep it above the longest step a worker may take (a long prefill
+    # chunk on a CPU takes seconds).
+    worker_stall_timeout_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> SchedulingConfig:
@@ -222,13 +234,39 @@ class RouterConfig(_Frozen):
     rpc_timeout_s: float = Field(10.0, gt=0)
     max_tokens_limit: int = Field(4096, ge=1)
     default_max_tokens: int = Field(256, ge=1)
+    # Request bodies over this many bytes are refused (413) before they are parsed.
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    # Serve without API keys (no tenant has one) on an address other than loopback. Off:
+    # such a configuration is refused, so open access never reaches a network by accident.
+    allow_open_access: bool = False
+    # /metrics answers without a key even when keys are required (a Prometheus scraper
+    # inside the cluster); off: /metrics needs a key like every endpoint but /health.
+    open_metrics: bool = False
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name
+            return False
 
 
 class TenantConfig(_Frozen):
     name: str = Field(min_length=1)
-    api_keys: tuple[str, ...] = ()
+    # Keys are never printed: not in a repr, not in an error message, not in a log line.
+    api_keys: tuple[str, ...] = Field((), repr=False)
+    # More keys, read when the configuration is loaded (load_config) and added to
+    # api_keys: a file with one key per line ('#' comments), and an environment variable
+    # holding keys separated by commas or white space (a Kubernetes Secret, say).
+    api_keys_file: str | None = None
+    api_keys_env: str | None = None
     tier: int = Field(1, ge=0)
     may_override_tier: bool = False
+    # The most urgent tier the tenant may choose (smaller is more urgent); unset: its own
+    # tier, so an override can only lower its priority.
+    max_tier_override: int | None = Field(None, ge=0)
 
 
 DEFAULT_TRACE_FILE = "tierserve-traces.jsonl"
@@ -278,6 +316,13 @@ class ClusterConfig(_Frozen):
         for i, t in enumerate(self.tenants):
             if t.tier >= num_tiers:
                 raise ValueError(f"tenants[{i}].tier: {t.tier} but only {num_tiers} tiers exist")
+            if t.max_tier_override is not None and t.max_tier_override >= num_tiers:
+                raise ValueError(f"tenants[{i}].max_tier_override: {t.max_tier_override} but "
+                                 f"only {num_tiers} tiers exist")
+            for source in ("api_keys_file", "api_keys_env"):
+                if getattr(t, source) is not None:
+                    raise ValueError(f"tenants[{i}].{source}: not read; load the configuration "
+                                     "with load_config (tierserve serve, the Serve app builder)")
             for key in t.api_keys:
                 if not key:
                     raise ValueError(f"tenants[{i}].api_keys: an empty key is not allowed")
@@ -286,6 +331,12 @@ class ClusterConfig(_Frozen):
                         f"tenants[{i}].api_keys: key already belongs to tenant {seen[key]!r}"
                     )
                 seen[key] = t.name
+        if not self.requires_api_key and not self.router.is_loopback \
+                and not self.router.allow_open_access:
+            raise ValueError(f"router.host: {self.router.host} is not a loopback address and no "
+                             "tenant has an API key: anyone who reaches it could use the "
+                             "server. Give tenants api_keys (or api_keys_file / api_keys_env), "
+                             "or set router.allow_open_access: true to serve without keys")
         for pool, entries, n in (
             ("prefill", self.topology.prefill, self.pools.num_prefill),
             ("decode", self.topology.decode, self.pools.num_decode),
@@ -328,6 +379,20 @@ class ClusterConfig(_Frozen):
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/msgpack types, for shipping to actors."""
         return self.model_dump(mode="json")
+
+    def access_summary(self) -> str:
+        """One line for the start banner: how access works on this server."""
+        host = self.router.host
+        if self.requires_api_key:
+            n = sum(1 for t in self.tenants if t.api_keys)
+            metrics = "; /metrics open" if self.router.open_metrics else ""
+            return (f"access: an API key is required on every endpoint but /health "
+                    f"({n} tenant{'s' if n != 1 else ''} with keys){metrics}")
+        if self.router.is_loopback:
+            return (f"access: open (no API keys configured), bound to {host} only; configure "
+                    "tenants with api_keys before serving on another address")
+        return (f"WARNING: access: open to anyone who reaches {host} (no API keys configured; "
+                "router.allow_open_access is set)")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
@@ -428,6 +493,7 @@ def load_config(
         tree = loaded or {}
     if EnvSettings.MODEL in env:
         _apply(tree, ("model", "path"), env[EnvSettings.MODEL])
+    environ_map = os.environ if environ is None else environ
     if EnvSettings.RAY_ADDRESS in env:
         tree.setdefault("ray_address", env[EnvSettings.RAY_ADDRESS])
     for key, value in parse_overrides(overrides):
@@ -435,4 +501,39 @@ def load_config(
     for key, value in (direct or {}).items():
         if value is not None:
             _apply(tree, tuple(key.split(".")), value)
+    _read_key_sources(tree, environ_map)
     return ClusterConfig.from_dict(tree).resolve_presets()
+
+
+def _read_key_sources(tree: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """Add each tenant's keys from its ``api_keys_file`` and ``api_keys_env`` to its
+    ``api_keys`` (the sources are then dropped: the tree that ships holds the keys).
+    Errors name the field, never a key."""
+    tenants = tree.get("tenants")
+    if not isinstance(tenants, list):
+        return
+    for i, t in enumerate(tenants):
+        if not isinstance(t, dict):
+            continue
+        keys = list(t.get("api_keys") or [])
+        path = t.pop("api_keys_file", None)
+        if path is not None:
+            try:
+                text = Path(str(path)).read_text()
+            except OSError as e:
+                raise ConfigError(f"tenants[{i}].api_keys_file: cannot read {path} "
+                                  f"({e.strerror})") from None
+            file_keys = [ln.strip() for ln in text.splitlines()
+                         if ln.strip() and not ln.lstrip().startswith("#")]
+            if not file_keys:
+                raise ConfigError(f"tenants[{i}].api_keys_file: {path} holds no key")
+            keys += file_keys
+        var = t.pop("api_keys_env", None)
+        if var is not None:
+            value = environ.get(str(var), "")
+            env_keys = value.replace(",", " ").split()
+            if not env_keys:
+                raise ConfigError(f"tenants[{i}].api_keys_env: ${var} is not set or is empty")
+            keys += env_keys
+        if keys:
+            t["api_keys"] = keys

@@ -23,17 +23,26 @@ Life of a request here:
    workers' events through the kernel, as in every driver).
 
 Every RPC is awaited with a timeout; a worker whose call fails is removed from the
-kernel's view (its requests end with a retryable error). Metrics (router/metrics.py),
-"why was my request late" logs and traces hear every decision through the kernel's
-observer hooks.
+kernel's view (its requests end with a retryable error). A dead prefill worker's requests
+are ended only where their decode worker says their KV had not all arrived
+(``release_waiting``); the others decode on. Metrics (router/metrics.py), "why was my
+request late" logs and traces hear every decision through the kernel's observer hooks.
+
+Healing (``cluster/scheduler_actor.py`` drives it): ``rejoin`` takes a worker back after
+a restart of the worker (a fresh slot; what the old process held was ended with it) or of
+this scheduler (``adopt``: the requests the worker holds are taken over as they are);
+``claim`` answers a router that reconnected which of its requests this scheduler does
+not know, and ends adopted requests nobody waits on any more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from cluster.why import RequestLog, TransferInfo, explain
@@ -49,10 +58,12 @@ from scheduler.cluster_scheduler import (
 )
 from scheduler.messages import (
     RETRYABLE_ERRORS,
+    ClaimAnswer,
     Dispatch,
     DispatchAnswer,
     FinishBatch,
     GenerationSpec,
+    HeldRequest,
     Notice,
     NoticeBatch,
     SubmitAnswer,
@@ -61,7 +72,7 @@ from scheduler.messages import (
     WorkerReport,
     encode,
 )
-from scheduler.request import DecisionRecord, Request, RequestState
+from scheduler.request import Decision, DecisionRecord, Request, RequestState
 from scheduler.step_costs import CPU_PRIOR
 from scheduler.tiers import TierConfig
 from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo
@@ -84,9 +95,28 @@ class WorkerClient(Protocol):
 
     async def abort(self, worker_id: str, req_id: str) -> None: ...
 
+    async def release_waiting(self, worker_id: str, prefill_worker_id: str,
+                              req_ids: tuple[str, ...] | None) -> list[str]:
+        """Decode worker ``worker_id`` drops the requests (all, or ``req_ids``) still
+        waiting on ``prefill_worker_id`` for KV or a first token; returns their ids."""
+        ...
+
+
+class GoneReason(enum.Enum):
+    """How a worker failed to answer: what the health loop does next depends on it."""
+
+    TIMEOUT = "timeout"  # no answer in time: hung, or overloaded (it is killed, restarts)
+    RESTARTING = "restarting"  # its process died; Ray is starting a new one
+    DEAD = "dead"  # removed for good (ray.kill with no_restart=True)
+    UNKNOWN = "unknown"
+
 
 class WorkerGone(Exception):
     """A worker did not answer (dead or past the call timeout)."""
+
+    def __init__(self, message: str, reason: GoneReason = GoneReason.UNKNOWN) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class GlobalScheduler:
@@ -133,12 +163,102 @@ class GlobalScheduler:
                              can_decode=can_decode)
 
     def worker_failed(self, worker_id: str) -> list[str]:
+        slot = self.core.workers.get(worker_id)
+        if slot is None or not slot.is_alive:
+            return []
         lost = self.core.remove_worker(worker_id, time.time())
-        if lost:
-            log.warning("worker %s removed; %d requests end with worker_failed", worker_id,
-                        len(lost))
+        log.warning("worker %s removed; %d requests end with worker_failed", worker_id,
+                    len(lost))
+        self.metrics.forget_worker(worker_id)
+        if not slot.can_decode:
+            self._release_waiting_on(worker_id, None)
         self._kick()
         return lost
+
+    def rejoin(self, info: WorkerInfo, num_free_blocks: int, *, can_prefill: bool,
+               can_decode: bool, held: Sequence[HeldRequest] = (),
+               adopt: bool = False) -> tuple[str, ...]:
+        """A worker registers again. ``adopt``: this scheduler has not seen it before (it
+        restarted), so the requests it holds are taken over; otherwise whatever it holds
+        was ended when its old slot died. Returns the ids the worker must drop."""
+        self.worker_failed(info.worker_id)
+        self.register_worker(info, num_free_blocks, can_prefill=can_prefill,
+                             can_decode=can_decode)
+        drop = [] if adopt and not can_decode else [h.spec.req_id for h in held]
+        if adopt and can_decode:
+            drop = []
+            for h in held:
+                if self.core.adopt(info.worker_id, h):
+                    self.specs[h.spec.req_id] = h.spec
+                else:
+                    drop.append(h.spec.req_id)
+            if held:
+                log.info("worker %s: took over %d of the %d requests it holds",
+                         info.worker_id, len(held) - len(drop), len(held))
+        self._kick()
+        return tuple(drop)
+
+    def claim(self, router_id: str, req_ids: Sequence[str]) -> ClaimAnswer:
+        """A router's requests in flight after its notice stream reconnected: the ones
+        this scheduler neither runs nor has closed are unknown (the router retries them);
+        adopted requests of that router it did not name end."""
+        unknown = tuple(rid for rid in req_ids
+                        if self.core.get(rid) is None and rid not in self.logs)
+        dropped = self.core.drop_unclaimed(router_id, req_ids, time.time())
+        if unknown or dropped:
+            log.info("router %s: %d requests unknown here, %d adopted ones unclaimed",
+                     router_id, len(unknown), len(dropped))
+        self._kick()
+        return ClaimAnswer(unknown)
+
+    def check_adopted_prefills(self, jobs: dict[str, set[str]]) -> None:
+        """After a restart, once the workers registered: adopted requests still waiting
+        on a prefill worker that does not hold them (``jobs``: what each prefill worker
+        said it holds) are released by their decode worker unless their KV arrived."""
+        for (prefill_id, req_ids) in self._adopted_waiting(jobs).items():
+            self._release_waiting_on(prefill_id, req_ids)
+
+    def _adopted_waiting(self, jobs: dict[str, set[str]]) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for prefill_id in {req.prefill_worker_id for req, _, _ in self.core.entries()}:
+            if prefill_id is None:
+                continue
+            held = jobs.get(prefill_id, set())
+            for rids in self.core.waiting_on(prefill_id).values():
+                missing = {rid for rid in rids if rid not in held}
+                if missing:
+                    out.setdefault(prefill_id, set()).update(missing)
+        return out
+
+    def _release_waiting_on(self, prefill_id: str, only: set[str] | None) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a synchronous test: nobody to ask
+        targets = [w.worker_id for w in self.core.workers.values() if w.is_alive and w.can_decode]
+        if only is not None:
+            where = {rid: d for d, rids in self.core.waiting_on(prefill_id).items() for rid in rids}
+            targets = sorted({where[rid] for rid in only if rid in where})
+        for decode_id in targets:
+            ids = None if only is None else tuple(
+                rid for rid in only if (r := self.core.get(rid)) and r.decode_worker_id == decode_id)
+            self._spawn(loop, self._release_waiting(decode_id, prefill_id, ids))
+
+    async def _release_waiting(self, decode_id: str, prefill_id: str,
+                               req_ids: tuple[str, ...] | None) -> None:
+        try:
+            dropped = await self.client.release_waiting(decode_id, prefill_id, req_ids)
+        except WorkerGone:
+            self.worker_failed(decode_id)
+            return
+        now = time.time()
+        for rid in dropped:
+            self.core.abort(rid, now, Decision.WORKER_FAILED, f"worker:{prefill_id}",
+                            error="worker_failed")
+        if dropped:
+            log.warning("%d requests waiting on dead prefill worker %s were dropped by %s",
+                        len(dropped), prefill_id, decode_id)
+        self._kick()
 
     def report(self, rep: WorkerReport) -> None:
         now = time.time()
@@ -338,8 +458,9 @@ class GlobalScheduler:
         self.metrics.on_prefix_lookup(num_blocks, num_hit)
 
     def on_closed(self, req: Request) -> None:
-        self.specs.pop(req.req_id, None)
-        rlog = RequestLog.from_request(req, self.transfers.pop(req.req_id, []))
+        spec = self.specs.pop(req.req_id, None)
+        rlog = RequestLog.from_request(req, self.transfers.pop(req.req_id, []),
+                                       tenant=spec.tenant if spec is not None else "")
         self.logs[req.req_id] = rlog
         while len(self.logs) > MAX_LOGS:
             self.logs.popitem(last=False)
@@ -351,11 +472,15 @@ class GlobalScheduler:
 
     # -- read side -----------------------------------------------------------------------
 
-    def why(self, req_id: str) -> dict[str, object] | None:
+    def why(self, req_id: str, tenant: str | None = None) -> dict[str, object] | None:
+        """``tenant`` set: only that tenant's request, naming no other tenant's."""
         logs: dict[str, RequestLog] = dict(self.logs)
         for req, _, _ in self.core.entries():
-            logs[req.req_id] = RequestLog.from_request(req, self.transfers.get(req.req_id, []))
-        report = explain(req_id, logs, self.tiers, now=time.time())
+            spec = self.specs.get(req.req_id)
+            logs[req.req_id] = RequestLog.from_request(
+                req, self.transfers.get(req.req_id, []),
+                tenant=spec.tenant if spec is not None else "")
+        report = explain(req_id, logs, self.tiers, now=time.time(), viewer=tenant)
         return None if report is None else report.to_dict()
 
     def render_metrics(self) -> tuple[bytes, str]:
@@ -395,6 +520,8 @@ class GlobalScheduler:
             "preemptions": dict(self.preemptions),
             "workers": {wid: {"alive": w.is_alive, "free": w.num_free_blocks,
                               "total": w.info.num_kv_blocks, "domain": w.info.domain,
+                              # requests decoding (or reserved) here / prefilling here
+                              "num_held": len(w.held), "num_prefilling": len(w.prefill_left),
                               "node": w.info.node,
                               "role": "decode" if w.can_decode else "prefill",
                               "step_costs": list(w.costs.coefficients)}

@@ -60,6 +60,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     from cluster.app import attach_workers, await_workers, build_router_app, launch_workers
 
     cfg = load_app_config(args)
+    log.info("tierserve %s", cfg.access_summary())
     namespace = str(args.get("namespace") or DEFAULT_NAMESPACE)
     if not ray.is_initialized():  # Serve runs builders inside Ray; a plain script may not
         ray.init(address=cfg.ray_address or "auto", namespace=namespace)

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML configuration (see cluster/config.py)")
     p.add_argument("--model", metavar="PATH", help="model checkpoint (default: the embedded one)")
     p.add_argument("--address", help="Ray address to join (e.g. auto); default: start Ray here")
-    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1; another address needs tenants "
+                   "with API keys, or --set router.allow_open_access=true)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--policy", help="scheduling policy (tierserve, vllm-fcfs, ...)")
     p.add_argument("--num-prefill", type=int, dest="num_prefill")
@@ -93,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"tierserve: ready at {cluster.url}/v1 (model {model}, policy "
               f"{cfg.scheduling.policy}); Ctrl-C to stop", flush=True)
+        print(f"tierserve: {cfg.access_summary()}", flush=True)
+        gcs = ray.get_runtime_context().gcs_address
+        print(f"tierserve: Ray at {gcs}; a fault drill: tierserve drill --url {cluster.url} "
+              f"--address {gcs}", flush=True)
         while not stop.wait(1.0):
             pass
         print("tierserve: shutting down", flush=True)

@@ -108,10 +108,12 @@ class RequestLog:
     prefill_worker_id: str | None = None
     decode_worker_id: str | None = None
     transfers: tuple[TransferInfo, ...] = ()
+    tenant: str = ""  # whose request it is: /why shows a tenant its own requests only
 
     @classmethod
-    def from_request(cls, req: RequestLike, transfers: Iterable[TransferInfo] = ()) -> RequestLog:
-        return cls(req_id=req.req_id, tier=req.tier, arrival_time=req.arrival_time,
+    def from_request(cls, req: RequestLike, transfers: Iterable[TransferInfo] = (),
+                     tenant: str = "") -> RequestLog:
+        return cls(req_id=req.req_id, tier=req.tier, arrival_time=req.arrival_time, tenant=tenant,
                    records=tuple(req.history), prompt_len=req.prompt_len,
                    num_output_tokens=req.num_output_tokens,
                    first_token_time=req.first_token_time, finish_time=req.finish_time,
@@ -125,7 +127,7 @@ class RequestLog:
                 "first_token_time": self.first_token_time, "finish_time": self.finish_time,
                 "prefill_worker_id": self.prefill_worker_id,
                 "decode_worker_id": self.decode_worker_id,
-                "transfers": [t.to_dict() for t in self.transfers]}
+                "transfers": [t.to_dict() for t in self.transfers], "tenant": self.tenant}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RequestLog:
@@ -144,7 +146,8 @@ class RequestLog:
                    finish_time=opt_float("finish_time"),
                    prefill_worker_id=opt_str("prefill_worker_id"),
                    decode_worker_id=opt_str("decode_worker_id"),
-                   transfers=tuple(TransferInfo.from_dict(t) for t in d.get("transfers", ())))
+                   transfers=tuple(TransferInfo.from_dict(t) for t in d.get("transfers", ())),
+                   tenant=str(d.get("tenant", "")))
 
 
 # -- phases ------------------------------------------------------------------------------
@@ -303,15 +306,18 @@ def explain(
     tiers: TierConfig,
     *,
     now: float | None = None,
+    viewer: str | None = None,
 ) -> WhyReport | None:
     """The causal chain of ``req_id``; ``None`` when ``logs`` do not know the request.
 
     ``logs`` maps req_id to :class:`RequestLog` for the request and the ones around it
     (those it was preempted for, those preempted for it); unknown others are named
-    without their tier.
+    without their tier. ``viewer`` (a tenant name): ``None`` unless the request is that
+    tenant's, and the chain names no request of another tenant (nor an unknown one): it
+    says "a request of another tenant" and leaves ``other_req_id`` empty.
     """
     log = logs.get(req_id)
-    if log is None:
+    if log is None or (viewer is not None and log.tenant != viewer):
         return None
     if not 0 <= log.tier < tiers.num_tiers:
         raise ValueError(f"request {req_id}: tier {log.tier} is not configured")
@@ -320,9 +326,21 @@ def explain(
     steps: list[WhyStep] = []
     workers = (log.decode_worker_id, log.prefill_worker_id)
 
+    def hidden(other: str | None) -> bool:
+        if viewer is None or other is None:
+            return False
+        o = logs.get(other)
+        return o is None or o.tenant != viewer
+
     def name(other: str) -> str:
         o = logs.get(other)
+        if hidden(other):
+            tier = f"{_tier_label(o.tier)} " if o else ""
+            return f"a {tier}request of another tenant"
         return f"{_tier_label(o.tier)} request {other}" if o else f"request {other}"
+
+    def shown(other: str | None) -> str | None:
+        return None if hidden(other) else other
 
     # 1. Waiting: every queue phase, and what held it there.
     queue_phases = [p for p in parts if p.kind is PhaseKind.QUEUE]
@@ -348,7 +366,7 @@ def explain(
                 seen_blockers.add(rec.blocking_req_id)
                 steps.append(WhyStep(StepKind.WAITED_ON,
                                      f"waited on {name(rec.blocking_req_id)}",
-                                     other_req_id=rec.blocking_req_id,
+                                     other_req_id=shown(rec.blocking_req_id),
                                      detail={"triggered_by": rec.triggered_by}))
 
     # 2. Requests preempted to make room for this one.
@@ -367,7 +385,7 @@ def explain(
             figure = f", {ms(freed)}" if freed >= 0.0005 else ""
             steps.append(WhyStep(StepKind.PREEMPTED_OTHER,
                                  f"preempted {name(other.req_id)} ({mode}{figure})", freed,
-                                 other_req_id=other.req_id,
+                                 other_req_id=shown(other.req_id),
                                  worker_id=other.decode_worker_id,
                                  detail={"mode": mode, "triggered_by": first.triggered_by}))
 
@@ -390,7 +408,7 @@ def explain(
             figure = f", {ms(p.duration_s)}" if p.duration_s >= 0.0005 else ""
             steps.append(WhyStep(StepKind.PREEMPTED,
                                  f"was preempted{by} ({mode}{figure}){after}",
-                                 p.duration_s, other_req_id=first.blocking_req_id,
+                                 p.duration_s, other_req_id=shown(first.blocking_req_id),
                                  detail={"mode": mode, "triggered_by": first.triggered_by,
                                          "mem_pressure": first.mem_pressure}))
     if not any(p.kind is PhaseKind.TRANSFER for p in parts) and log.transfers:

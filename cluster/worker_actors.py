@@ -6,17 +6,45 @@ tokens from prefill workers, the routers' token subscriptions, aborts, preemptio
 built on first use, so importing this module needs no Ray. Both live here, on the top
 floor, because building a worker needs the cluster's configuration and topology; the
 pools below know nothing of either.
+
+Each actor sets itself up from its constructor (model, KV endpoint, links) and then
+registers with the global scheduler, on its first start and on every restart Ray makes
+after its process died (the actors run with ``max_restarts=-1``, ``cluster/supervisor.py``
+says why). ``setup()`` only waits for that and returns the setup document. Every start of
+the process has a new ``incarnation``, which ``ping`` answers, so the scheduler tells a
+restarted worker from the one it knew. Calls that arrive before the setup is done are
+refused at once (a dispatch, a start of a prefill) or ignored (first tokens, aborts for
+requests this process never had), never queued behind the model load.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.messages import pack
 from engine.service import bytes_per_block
-from scheduler.messages import AbortBatch, Dispatch, PrefilledBatch, StartPrefill, decode, encode
+from scheduler.messages import (
+    AbortBatch,
+    Dispatch,
+    DispatchAnswer,
+    PrefilledBatch,
+    StartPrefill,
+    WorkerHello,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WorkerStarting(RuntimeError):
+    """Called before the worker finished setting up (its process just restarted)."""
 
 
 def _info(worker: Any, role: str) -> dict[str, Any]:
@@ -28,33 +56,107 @@ def _info(worker: Any, role: str) -> dict[str, Any]:
             "num_free_blocks": worker.engine.num_free_blocks,
             "bytes_per_block": bytes_per_block(worker.engine),
             "max_model_len": int(worker.engine.max_model_len),
-            "ray_node_id": ray.get_runtime_context().get_node_id()}
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid()}
+
+
+class _WorkerActorBase:
+    """Self-setup, registration and the calls both roles answer."""
+
+    role = ""
+
+    def __init__(self, worker_id: str, index: int, cfg: dict[str, Any], scheduler_name: str,
+                 namespace: str) -> None:
+        import ray
+
+        from cluster.scheduler_link import SchedulerLink
+
+        logging.basicConfig(level=logging.INFO)
+        self.worker_id = worker_id
+        self.index = index
+        self.cfg = ClusterConfig.from_dict(cfg)
+        self.namespace = namespace
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.link = SchedulerLink(scheduler_name, namespace, worker_id, self.incarnation,
+                                  ray.get_runtime_context().current_actor)
+        self._w: Any = None
+        # Ray runs an async actor's constructor on its event loop.
+        self._setup_task = asyncio.get_running_loop().create_task(self._setup())
+        # Retrieved here too: after a restart nobody may await it (the failure is logged).
+        self._setup_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _build(self) -> Any:
+        raise NotImplementedError
+
+    async def _setup(self) -> bytes:
+        try:
+            self._w = await self._build()
+        except Exception:
+            log.exception("%s: setup failed", self.worker_id)
+            raise
+        self.link.bind(self._hello, self._drop)
+        await self.link.register()
+        return pack(_info(self._w, self.role))
+
+    def _hello(self) -> WorkerHello:
+        return WorkerHello(self.worker_id, self.role, self.incarnation,
+                           _info(self._w, self.role), self._w.held_requests())
+
+    async def _drop(self, req_ids: tuple[str, ...]) -> None:
+        for rid in req_ids:
+            await self._w.abort(rid, "worker_failed")
+
+    def _ready(self) -> Any:
+        if self._w is None or not self.link.is_registered:
+            raise WorkerStarting(f"{self.worker_id} is starting")
+        return self._w
+
+    async def setup(self) -> bytes:
+        """The setup document, once this process has set up and registered."""
+        return await asyncio.shield(self._setup_task)
+
+    async def ping(self) -> str:
+        return self.incarnation
+
+    async def status(self) -> bytes:
+        if self._w is None:
+            return pack({"worker_id": self.worker_id, "ready": False, "pid": os.getpid(),
+                         "incarnation": self.incarnation})
+        return pack({**self._w.status(), "ready": self.link.is_registered, "pid": os.getpid(),
+                     "incarnation": self.incarnation})
+
+    async def abort(self, req_id: str, error: str | None = None) -> None:
+        if self._w is not None:
+            await self._w.abort(req_id, error)
 
 
 def _make_decode_actor() -> Any:
     import ray
 
     @ray.remote
-    class DecodeWorkerActor:
-        def __init__(self, worker_id: str, index: int, cfg: dict[str, Any],
-                     scheduler_name: str, namespace: str) -> None:
-            self._args = (worker_id, index, ClusterConfig.from_dict(cfg), scheduler_name,
-                          namespace)
-            self._w: Any = None
+    class DecodeWorkerActor(_WorkerActorBase):
+        role = "decode"
 
-        async def setup(self) -> bytes:
+        async def _build(self) -> Any:
             from cluster.worker_setup import make_decode_worker
 
-            self._w = await make_decode_worker(*self._args)
-            return pack(_info(self._w, "decode"))
+            return await make_decode_worker(self.worker_id, self.index, self.cfg, self.link,
+                                            self.namespace)
 
         async def dispatch(self, msg: bytes) -> bytes:
-            return encode(await self._w.dispatch(decode(msg, Dispatch)))
+            d = decode(msg, Dispatch)
+            try:
+                w = self._ready()
+            except WorkerStarting:
+                return encode(DispatchAnswer(d.spec.req_id, False, 0, reason="starting"))
+            return encode(await w.dispatch(d))
 
         async def prefilled(self, msg: bytes) -> None:
-            await self._w.prefilled(decode(msg, PrefilledBatch))
+            if self._w is not None:  # first tokens for a process that died are lost with it
+                await self._w.prefilled(decode(msg, PrefilledBatch))
 
         async def subscribe(self, router_id: str) -> AsyncIterator[bytes]:
+            await asyncio.shield(self._setup_task)
             inner = self._w.subscribe(router_id)
             try:
                 async for item in inner:
@@ -62,21 +164,21 @@ def _make_decode_actor() -> Any:
             finally:
                 await inner.aclose()  # now, not at GC: the router's stream is gone
 
-        async def abort(self, req_id: str, error: str | None = None) -> None:
-            await self._w.abort(req_id, error)
-
         async def abort_many(self, msg: bytes) -> None:
             for rid in decode(msg, AbortBatch).req_ids:
-                await self._w.abort(rid)
+                await self.abort(rid)
 
         async def preempt(self, req_id: str, mode: str, for_req_id: str | None) -> bool:
+            if self._w is None:
+                return False
             return await self._w.preempt(req_id, mode, for_req_id)
 
-        async def status(self) -> bytes:
-            return pack(self._w.status())
-
-        async def ping(self) -> bool:
-            return True
+        async def release_waiting(self, prefill_worker_id: str,
+                                  req_ids: list[str] | None) -> list[str]:
+            if self._w is None:
+                return []
+            return await self._w.release_waiting(
+                prefill_worker_id, None if req_ids is None else tuple(req_ids))
 
     return DecodeWorkerActor
 
@@ -85,30 +187,19 @@ def _make_prefill_actor() -> Any:
     import ray
 
     @ray.remote
-    class PrefillWorkerActor:
-        def __init__(self, worker_id: str, index: int, cfg: dict[str, Any],
-                     scheduler_name: str, namespace: str) -> None:
-            self._args = (worker_id, index, ClusterConfig.from_dict(cfg), scheduler_name,
-                          namespace)
-            self._w: Any = None
+    class PrefillWorkerActor(_WorkerActorBase):
+        role = "prefill"
 
-        async def setup(self) -> bytes:
+        async def _build(self) -> Any:
             from cluster.worker_setup import make_prefill_worker
 
-            self._w = await make_prefill_worker(*self._args)
-            return pack(_info(self._w, "prefill"))
+            return await make_prefill_worker(self.worker_id, self.index, self.cfg, self.link,
+                                             self.namespace)
 
         async def start_request(self, msg: bytes) -> str | None:
-            return await self._w.start_request(decode(msg, StartPrefill))
-
-        async def abort(self, req_id: str, error: str | None = None) -> None:
-            await self._w.abort(req_id, error)
-
-        async def status(self) -> bytes:
-            return pack(self._w.status())
-
-        async def ping(self) -> bool:
-            return True
+            # Not set up: raises, which the decode worker reads as "unreachable" (the
+            # request goes back to the queue), not as a refusal of the request itself.
+            return await self._ready().start_request(decode(msg, StartPrefill))
 
     return PrefillWorkerActor
 

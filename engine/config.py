@@ -70,6 +70,32 @@ def _dtype_choice(choice: str | DTypeChoice) -> DTypeChoice:
         raise EngineSettingError("dtype", f"{choice!r} is not one of {names}") from None
 
 
+class AttentionChoice(enum.Enum):
+    AUTO = "auto"  # flex on CUDA, paged on CPU
+    PAGED = "paged"  # block-major pool: native CPU kernels (or torch ops) through block tables
+    FLEX = "flex"  # layer-major pool: FlexAttention through block tables (engine.flex_attention)
+
+
+def resolve_attention(choice: str | AttentionChoice, device: torch.device) -> AttentionChoice:
+    """The attention path of ``choice`` on ``device`` (AUTO resolved); EngineSettingError
+    (``attention``) for a value that is not a choice or a path this torch cannot run."""
+    try:
+        choice = AttentionChoice(choice)
+    except ValueError:
+        names = ", ".join(c.value for c in AttentionChoice)
+        raise EngineSettingError("attention", f"{choice!r} is not one of {names}") from None
+    if choice is AttentionChoice.AUTO:
+        choice = AttentionChoice.FLEX if device.type == "cuda" else AttentionChoice.PAGED
+    if choice is AttentionChoice.FLEX:
+        from engine.flex_attention import flex_available
+
+        if not flex_available():
+            raise EngineSettingError(
+                "attention", f"flex needs torch.nn.attention.flex_attention (torch >= 2.5), "
+                f"this torch is {torch.__version__}; choose paged")
+    return choice
+
+
 def check_device(device: torch.device) -> None:
     """EngineSettingError (``device``) when torch cannot reach ``device``."""
     if device.type == "cuda":
@@ -110,9 +136,19 @@ class EngineConfig:
     # The native CPU kernels (engine.kernels, built on first use); False, or no compiler on
     # the machine: torch ops only (same greedy tokens, slower decode).
     native_kernels: bool = True
+    # How attention reads the pool: "auto" (flex on CUDA, paged on CPU), "paged" or "flex"
+    # (AttentionChoice); flex on CPU runs FlexAttention's eager reference (tests).
+    attention: str = "auto"
+    # CUDA graphs of decode-only steps for batches up to this size (padded to 1, 2, 4, 8,
+    # then multiples of 8); 0 turns them off. Only on CUDA with flex attention.
+    cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         choice = _dtype_choice(self.dtype)  # EngineSettingError naming the bad value
+        resolve_attention(self.attention, torch.device("cpu"))  # a valid choice, at least
+        if self.cuda_graph_max_batch < 0:
+            raise EngineSettingError(
+                "cuda_graph_max_batch", f"must be >= 0, got {self.cuda_graph_max_batch}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise EngineSettingError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if choice is DTypeChoice.FLOAT16 and self.device == "cpu":

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
-from engine.config import EngineConfig, check_device
-from engine.errors import PromptTooLong
+from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
+from engine.errors import EngineSettingError, PromptTooLong
 from engine.model_loader import load_model
 from engine.outputs import FinishReason, StepOutput
 from engine.requests import EngineRequest, ReqState
@@ -72,14 +72,25 @@ class LLMEngine:
             budget_bytes=config.kv_cache_bytes,
             fraction=config.kv_cache_fraction,
         )
+        self.attention = resolve_attention(config.attention, device)
+        if (self.attention is AttentionChoice.FLEX and device.type == "cuda"
+                and config.block_size % 16):
+            raise EngineSettingError(
+                "block_size", f"flex attention on CUDA needs a multiple of 16 tokens, got "
+                f"{config.block_size}")
         self.pool = BlockPool(
-            **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching
+            **shape, num_blocks=num_blocks, enable_caching=config.enable_prefix_caching,
+            layer_major=self.attention is AttentionChoice.FLEX,
         )
         # ``runner``: what executes a step (default: the model's forward over the pool; the
         # stub engine of bench-control passes one that runs no model).
         self.runner = runner if runner is not None else ModelRunner(
             model, self.pool, use_kernel=config.native_kernels)
         self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
+        if (runner is None and device.type == "cuda" and config.cuda_graph_max_batch > 0
+                and self.runner.uses_flex):
+            self.runner.enable_decode_graphs(
+                min(config.cuda_graph_max_batch, config.max_num_seqs), self.max_model_len)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}
         self._waiting: deque[EngineRequest] = deque()
@@ -247,20 +258,59 @@ class LLMEngine:
         return self._get(req_id).num_computed
 
     def _run(self, decodes: list[Scheduled], chunks: list[Scheduled]) -> list[StepOutput]:
+        """Forward and sample the batch, then commit. A batch that raises is run again one
+        request at a time, so a request that breaks a step fails alone (its output says why)
+        and the others still get their tokens from this step."""
         outputs, self._pending = self._pending, []
         if not decodes and not chunks:
             return outputs
-        scheduled = decodes + chunks
+        try:
+            token_ids, logprobs = self._forward_and_sample(decodes, chunks)
+        except Exception as exc:  # one request's fault must not stop the rest
+            if len(decodes) + len(chunks) == 1:
+                (req, _), = decodes + chunks
+                return outputs + [self._fail(req, exc)]
+            return outputs + self._run_one_by_one(decodes, chunks)
+        return outputs + self._commit(decodes + chunks, token_ids, logprobs)
+
+    def _forward_and_sample(self, decodes: list[Scheduled], chunks: list[Scheduled]
+                            ) -> tuple[list[int], list[float]]:
+        """The fallible half of a step: nothing in the engine's books changes here (a
+        forward only writes the KV of positions not yet counted as computed)."""
         logits = self.runner.execute([w for _, w in decodes], [w for _, w in chunks])
-        sampled = [req for req, w in scheduled if w.sample]
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        if sampled:
-            kernels = self.runner.kernels
-            token_ids, logprobs = sample(
-                logits, [r.params for r in sampled], [r.generator for r in sampled],
-                argmax=None if kernels is None else kernels.argmax,
-            )
+        sampled = [req for req, w in decodes + chunks if w.sample]
+        if not sampled:
+            return [], []
+        kernels = self.runner.kernels
+        return sample(logits, [r.params for r in sampled], [r.generator for r in sampled],
+                      argmax=None if kernels is None else kernels.argmax)
+
+    def _run_one_by_one(self, decodes: list[Scheduled], chunks: list[Scheduled]
+                        ) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for item, is_decode in [(d, True) for d in decodes] + [(c, False) for c in chunks]:
+            one = [item]
+            try:
+                token_ids, logprobs = self._forward_and_sample(one if is_decode else [],
+                                                               [] if is_decode else one)
+            except Exception as exc:  # this request is the one that fails
+                outputs.append(self._fail(item[0], exc))
+                continue
+            outputs += self._commit(one, token_ids, logprobs)
+        return outputs
+
+    def _fail(self, req: EngineRequest, exc: BaseException) -> StepOutput:
+        """End ``req`` because its step failed: out of the engine, blocks freed."""
+        if req in self._running:
+            self._running.remove(req)
+        self._forget(req)
+        detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return StepOutput(req_id=req.req_id, finished=True,
+                          error=f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)
+
+    def _commit(self, scheduled: list[Scheduled], token_ids: list[int],
+                logprobs: list[float]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
         sample_index = 0
         for req, work in scheduled:
             req.num_computed += len(work.token_ids)

@@ -22,6 +22,8 @@ class StepOutput:
     prefill (the first token is in ``new_token_ids``). ``num_computed_tokens``: tokens whose KV
     is in the pool after this step. ``ready_block_ids``: blocks whose KV became final in this
     step, in block-table order (what a prefill worker streams to its decode worker).
+    ``error``: the request failed this step on its own (the batched step failed and so did
+    its run alone): it has left the engine and its blocks are free; ``finished`` is set.
     """
 
     req_id: str
@@ -33,3 +35,4 @@ class StepOutput:
     prefill_done: bool = False
     num_computed_tokens: int = 0
     ready_block_ids: list[int] = field(default_factory=list)
+    error: str | None = None

@@ -10,7 +10,10 @@ Row order: decodes, then short chunks (``KERNEL_MAX_CHUNK_FLASH`` tokens with th
 kernel, else ``KERNEL_MAX_CHUNK``), all attended row by row through the block tables by the
 native row kernel, then the longer chunks (the flash kernel, or one SDPA each). Without the
 native kernels, decode rows are sorted by context length and grouped (``group_rows``) and
-every chunk takes the SDPA path.
+every chunk takes the SDPA path. A layer-major pool (the CUDA path) is attended with
+FlexAttention through the block tables (engine.flex_attention), decodes in one batch and
+chunks in another; on CUDA, decode-only steps replay captured CUDA graphs
+(engine.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 from engine.attention import DecodeGroup, PagedAttention, PrefillChunk, StepMeta
 from engine.block_pool import BlockPool
+from engine.cuda_graphs import DecodeGraphs
+from engine.flex_attention import FlexPagedAttention, FlexStepMeta, build_batch
 from engine.forward import LlamaFamilyForward
 from engine.kernels import NativeKernels, load_kernels
 
@@ -59,8 +64,29 @@ class ModelRunner:
                 kernel = None
         self.flash = (kernel is not None and kernel.has_prefill_attention
                       and layout.dtype == torch.bfloat16)
-        self.attention = PagedAttention(kernel)
+        self.uses_flex = not pool.block_major
+        self.attention: PagedAttention | FlexPagedAttention
+        if self.uses_flex:
+            # compiled where the Triton kernels run; eager (the reference) elsewhere (tests)
+            self.attention = FlexPagedAttention(compiled=self.device.type == "cuda")
+        else:
+            self.attention = PagedAttention(kernel)
         self.forward = LlamaFamilyForward(model, self.attention)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int,
+                             capture: bool | None = None) -> None:
+        """Replay decode-only steps of up to ``max_batch`` requests from CUDA graphs
+        (engine.cuda_graphs; captured now). ``capture`` False (tests without a GPU) keeps
+        the buffers and buckets but runs the forward on them eagerly."""
+        if not self.uses_flex:
+            raise ValueError("decode graphs need the flex attention path (a layer-major pool)")
+        null = self.pool.null_block
+        assert null is not None
+        max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        self.graphs = DecodeGraphs(
+            self.forward, self.pool.kv_tensor(), null, max_batch, max_blocks,
+            capture=self.device.type == "cuda" if capture is None else capture)
 
     @property
     def uses_kernel(self) -> bool:
@@ -79,7 +105,15 @@ class ModelRunner:
         """
         if self.attention.kernel is not None:
             self.attention.kernel.num_threads = torch.get_num_threads()
-        if self.uses_kernel:
+        if self.graphs is not None and decodes and not chunks and all(w.sample for w in decodes):
+            bs = self.block_size
+            tables = [w.block_ids[: w.start_pos // bs + 1] for w in decodes]
+            if self.graphs.can_run(len(decodes), max(len(t) for t in tables)):
+                return self.graphs.run([w.token_ids[0] for w in decodes],
+                                       [w.start_pos for w in decodes], tables)
+        if self.uses_flex:
+            meta, input_ids, positions, sample_rows = self._flex_step(decodes, chunks)
+        elif self.uses_kernel:
             meta, input_ids, positions, sample_rows = self._kernel_step(decodes, chunks)
         else:
             meta, input_ids, positions, sample_rows = self._torch_step(decodes, chunks)
@@ -145,6 +179,50 @@ class ModelRunner:
         sample_rows = [row for row, w in enumerate(decodes) if w.sample]
         sample_rows.extend(chunk_end[i] - 1 for i, w in enumerate(chunks) if w.sample)
         return meta, input_ids, torch.cat(positions), sample_rows
+
+    def _flex_step(self, decodes: Sequence[SeqWork], chunks: Sequence[SeqWork]):
+        """Rows, slots and the (at most two) FlexAttention batches of a layer-major pool."""
+        bs = self.block_size
+        num_physical = self.pool.num_blocks + 1
+        null = self.pool.null_block
+        assert null is not None
+        input_ids: list[int] = []
+        pos_list: list[int] = []
+        slot_list: list[int] = []
+        batches = []
+        sample_rows: list[int] = []
+        if decodes:
+            tables, q_rows, q_pos = [], [], []
+            for row, w in enumerate(decodes):
+                p = w.start_pos
+                input_ids.append(w.token_ids[0])
+                pos_list.append(p)
+                slot_list.append(w.block_ids[p // bs] * bs + p % bs)
+                tables.append(list(w.block_ids[: p // bs + 1]))
+                q_rows.append([row])
+                q_pos.append([p])
+                if w.sample:
+                    sample_rows.append(row)
+            batches.append(build_batch(tables, q_rows, q_pos, num_physical, null, self.device))
+        if chunks:
+            tables, q_rows, q_pos = [], [], []
+            for w in chunks:
+                first, n = w.start_pos, len(w.token_ids)
+                start = len(input_ids)
+                input_ids.extend(w.token_ids)
+                positions = range(first, first + n)
+                pos_list.extend(positions)
+                slot_list.extend(w.block_ids[p // bs] * bs + p % bs for p in positions)
+                tables.append(list(w.block_ids[: (first + n + bs - 1) // bs]))
+                q_rows.append(list(range(start, start + n)))
+                q_pos.append(list(positions))
+                if w.sample:
+                    sample_rows.append(start + n - 1)
+            batches.append(build_batch(tables, q_rows, q_pos, num_physical, null, self.device))
+        meta = FlexStepMeta(kv=self.pool.kv_tensor(),
+                            slot_rows=torch.tensor(slot_list, dtype=torch.long).to(self.device),
+                            batches=batches)
+        return meta, input_ids, torch.tensor(pos_list, dtype=torch.long), sample_rows
 
     def _long_chunk(self, work: SeqWork, start: int, block_rows: int
                     ) -> tuple[PrefillChunk, torch.Tensor, torch.Tensor]:

@@ -7,18 +7,26 @@ seeded request gives the same tokens whatever it is batched with).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+# As vLLM: a temperature below SAMPLING_EPS is greedy, and one below MIN_TEMPERATURE is
+# raised to it (logits / 1e-40 overflow to inf and softmax turns them into NaN).
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    temperature 0 is greedy; top_k 0 is off; ``stop`` holds stop strings (checked on the
+    temperature 0 (or below ``SAMPLING_EPS``) is greedy, a positive one below
+    ``MIN_TEMPERATURE`` is raised to it, so every accepted value samples without overflow;
+    top_k 0 is off; ``stop`` holds stop strings (checked on the
     decoded output), ``stop_token_ids`` extra stop tokens besides EOS (unless ``ignore_eos``).
     With ``logprobs``, each token comes with the log-softmax of the model's raw logits at it.
     """
@@ -36,8 +44,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        elif self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -113,4 +125,7 @@ def _sample_row(
         drop[0] = False
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(row, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        # Logits the model made non-finite: the most likely finite token, never a raise.
+        return torch.nan_to_num(row, nan=-math.inf).argmax()
     return torch.multinomial(probs, 1, generator=generator)[0]

@@ -3,8 +3,9 @@
 The decode side (consumer) reserves blocks in its own pool and publishes a *ticket*; the
 prefill side (producer) streams blocks into exactly those slots as its prefill chunks finish.
 No Ray and no engine import here: the pool is reached through :class:`KVStore` (a Protocol the
-engine's ``BlockPool`` satisfies structurally: one contiguous block-major tensor, a block is
-``kv[block_id]``) and the control plane only carries small msgpack-able dicts (the ticket).
+engine's ``BlockPool`` satisfies structurally: one contiguous tensor, block-major with a block
+``kv[block_id]``, or layer-major ``[layers, 2, blocks, ...]`` where ``block_major`` is False)
+and the control plane only carries small msgpack-able dicts (the ticket).
 
 Life of a transfer (both sides keep one record per request id)::
 
@@ -77,29 +78,36 @@ Who frees which blocks:
   * the records themselves are dropped by ``forget`` (a terminal transfer's status stays
     pollable until then).
 
-Granularity: per segment, not per layer. The pool is block-major, so a run of consecutive
-slots is one contiguous region; the consumer cuts the reservation into *segments* (runs of
-consecutive slots of at most ``part_bytes``, :mod:`kvtransfer.plan`) and both sides derive the
-same plan from the ticket. A segment is one message: straight from the producer's pool when
-its source blocks are consecutive too (a fresh prefill's usually are), else gathered into a
-reused staging buffer; always straight into the consumer's slots. It leaves as soon as its
-last block is pushed, so chunk k's blocks travel while chunk k+1 computes and the tail after
-the prefill is the last chunk's segments.
+Granularity: per segment, not per layer. The consumer cuts the reservation into *segments*
+(runs of consecutive slots of at most ``part_bytes``, :mod:`kvtransfer.plan`) and both sides
+derive the same plan from the ticket. A segment is one message of its blocks in the wire
+layout ``[n, layers, 2, block_size, kv_heads, head_dim]``, whatever the pools' layouts
+(:mod:`kvtransfer.layout`), so either side may be block-major or layer-major:
+  * from a block-major pool, straight when its source blocks are consecutive too (a fresh
+    prefill's usually are), else gathered into a reused staging buffer; into a block-major
+    pool, straight into the slots (a run of consecutive slots is one region);
+  * from a layer-major pool, always gathered into a staging buffer (one tensor op); into a
+    layer-major pool, received into a staging buffer and scattered into the slots (one
+    copy) once that receive completed, before the transfer is DONE.
+It leaves as soon as its last block is pushed, so chunk k's blocks travel while chunk k+1
+computes and the tail after the prefill is the last chunk's segments.
 
 Two paths, by what the channel can do:
   * posted (gloo and the mock, checksums off): the consumer posts every segment's receive when
     it accepts the Open, and a waiter thread per transfer waits for them in order. A segment
     then costs exactly one tensor message: no header, no copy, no rendezvous, no second
     wake-up. Each transfer has its own tag (from the ticket), so receives of two transfers
-    never take each other's messages.
+    never take each other's messages. A layer-major consumer posts a window of
+    ``max_in_flight_parts`` receives into staging buffers and the waiter posts each next one
+    as it scatters an earlier one, so staging stays bounded.
   * announced (NCCL, where a posted receive occupies the GPU stream; or checksums on): a
     ``Blocks`` message (with the segments' checksums) precedes each batch of segments and the
     consumer posts their receives when it reads it, draining those of a transfer it refused.
 
 Control messages travel as frames on the pair's own group where a receive can stay posted
 (gloo, mock), else through the store queue (NCCL); acknowledgements (Ready, End, Bye) through
-the consumer's store queue. The hot path builds only the one tensor view it sends, and host
-pools are gathered with numpy.
+the consumer's store queue. The hot path builds only the one tensor view it sends, and
+block-major host pools are gathered with numpy.
 
 Connections: one process group per producer-consumer pair, created lazily on the first
 ``begin`` to a consumer from its own rendezvous (the consumer's TCPStore; no global world

@@ -15,6 +15,11 @@ bytes; ``one_block_vs_tiny_ratio`` against a 4-byte message too); and
 ``streaming_tail_fraction``: a 2,000-token prompt prefilled chunk by chunk by the engine on
 SmolLM2-135M, each chunk's finished blocks pushed while the next chunk computes, the last
 block's arrival after the prefill ends, as a fraction of the prefill time.
+
+``--layer-major``: both synthetic pools (and the consumer's streaming pool; the engine's own
+pool, the streaming producer, stays block-major) are layer-major, so every segment is gathered
+into a slab on the producer and scattered from one on the consumer: the figures then price
+that staging against the same raw messages.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--part-bytes", type=int, default=TransferConfig().part_bytes,
                         help="most bytes one message carries (the consumer's segment size)")
+    parser.add_argument("--layer-major", action="store_true",
+                        help="layer-major pools [layers, 2, blocks, ...] on both sides "
+                        "(every segment staged) instead of block-major")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
                        "num_blocks": _num_blocks_for_prompt(args.prompt_tokens, pool_layout) + 1}
     result: dict[str, Any] = {"backend": "nccl" if args.device.startswith("cuda") else "gloo",
                               "device": args.device, "layout": {**spec, "device": args.device},
+                              "layer_major": args.layer_major,
                               "memcpy_gbps": _memcpy_gbps(layout.device)}
     print(f"memcpy: {result['memcpy_gbps']:.2f} GB/s", flush=True)
     raw_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -93,11 +102,12 @@ def run(args: argparse.Namespace) -> int:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_consumer_main, daemon=True,
                         args=(child_conn, spec, num_blocks, stream_spec, int(raw_server.port),
-                              args.threads, args.part_bytes))
+                              args.threads, args.part_bytes, args.layer_major))
     child.start()
     child_conn.close()
     peer = _Peer(conn)
-    producer = KVProducer(TensorKVStore(layout, num_blocks, fill="random"),
+    producer = KVProducer(TensorKVStore(layout, num_blocks, fill="random",
+                                        layer_major=args.layer_major),
                           location=Location("bench-node", args.device),
                           config=TransferConfig(part_bytes=args.part_bytes),
                           backend=DistBackend())
@@ -338,16 +348,17 @@ class _Peer:
 
 def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
                    stream_spec: dict[str, Any] | None, raw_port: int, threads: int,
-                   part_bytes: int) -> None:
+                   part_bytes: int, layer_major: bool) -> None:
     torch.set_num_threads(threads)
     layout = make_layout(spec)
     location = Location("bench-node", spec["device"])
     config = TransferConfig(part_bytes=part_bytes)
-    consumers = {"sizes": KVConsumer(TensorKVStore(layout, num_blocks), location=location,
-                                     config=config, backend=DistBackend())}
+    consumers = {"sizes": KVConsumer(TensorKVStore(layout, num_blocks, layer_major=layer_major),
+                                     location=location, config=config, backend=DistBackend())}
     if stream_spec is not None:
         consumers["stream"] = KVConsumer(
-            TensorKVStore(make_layout(stream_spec), stream_spec["num_blocks"]),
+            TensorKVStore(make_layout(stream_spec), stream_spec["num_blocks"],
+                          layer_major=layer_major),
             location=location, config=config, backend=DistBackend())
     client = dist.TCPStore("127.0.0.1", raw_port, is_master=False,
                            timeout=datetime.timedelta(seconds=60))

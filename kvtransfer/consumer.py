@@ -1,16 +1,22 @@
-"""The decode side: reserve-then-receive, writing straight into the reserved slots.
+"""The decode side: reserve-then-receive into the reserved slots (straight into a block-major
+pool; through staging slabs, scattered into the slots, in a layer-major one).
 
 Life of a transfer here::
 
     1. expect(req, block_ids, present)  PENDING; the ticket (slots, tag, segment size) goes to
                                         the producer through the control plane
-    2. Hello on our accept queue        a producer opens a pair: its link thread joins the
-                                        pair's process group (rank 1) and reads its fwd stream
+    2. Hello on our accept queue        a producer opens a pair, proving it holds the ticket's
+                                        secret (kvtransfer.auth; otherwise refused, nothing is
+                                        opened): its link thread joins the pair's process
+                                        group (rank 1) and reads its fwd stream
     3. Open(req)                        checked against the reservation (count, block ids,
                                         dtype, shapes, tag, plan) before any receive is posted;
                                         refused: End(FAILED). Posted path: every segment's
-                                        receive is posted straight into its slots, Ready
-    4. segments land                    in plan order (announced path: after their Blocks)
+                                        receive is posted straight into its slots (layer-
+                                        major: a window of them into slabs), Ready
+    4. segments land                    in plan order (announced path: after their Blocks);
+                                        layer-major: each is scattered from its slab into
+                                        the slots once its receive completed
     5. every segment landed             DONE, End(DONE) to the producer
     any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal
     once no receive is left posted into the slots; from then on nothing is written into
@@ -29,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError
 from kvtransfer.consumer_link import ConsumerLink
 from kvtransfer.dist_backend import DistBackend
@@ -74,6 +80,10 @@ class KVConsumer:
         self._backend = backend or DistBackend()
         self.endpoint_id = f"c-{uuid.uuid4().hex[:12]}"
         self._server = self._backend.listen(self.location.host)
+        # Only producers given one of our tickets may open a pair (kvtransfer.auth).
+        self._secret = auth.new_secret()
+        self._pairs_seen: set[str] = set()
+        self.num_refused_pairs = 0
         # Blocks per segment, one message each (the ticket hands it to the producer).
         self.segment_blocks = segment_blocks_for(self.config.part_bytes, self.layout.bytes_per_block)
         self._tags = itertools.count()
@@ -122,7 +132,8 @@ class KVConsumer:
         if record.num_total == 0:
             self._table.finish(record, TransferState.DONE, detail="every block was present")
         return {"req_id": req_id, "block_ids": ids, "present": sorted(hits), "tag": tag,
-                "segment_blocks": self.segment_blocks, "consumer": self.address()}
+                "segment_blocks": self.segment_blocks,
+                "consumer": {**self.address(), "secret": self._secret}}
 
     def poll(self, req_id: str) -> TransferStatus | None:
         return self._table.status(req_id)
@@ -215,6 +226,14 @@ class KVConsumer:
             if not isinstance(msg, wire.Hello):
                 log.warning("kvtransfer consumer: unexpected %s on the accept queue", type(msg).__name__)
                 continue
+            if msg.pair in self._pairs_seen or not auth.is_valid_proof(
+                    self._secret, msg.pair, msg.producer_id, msg.proof):
+                self.num_refused_pairs += 1
+                log.warning("kvtransfer consumer %s: refused a pair from %r: it holds none of "
+                            "our tickets (or replayed a hello)", self.endpoint_id,
+                            msg.producer_id[:64])
+                continue
+            self._pairs_seen.add(msg.pair)
             link = ConsumerLink(self, msg)
             with self._links_lock:
                 old = self._links.pop(msg.pair, None)

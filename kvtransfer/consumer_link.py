@@ -2,23 +2,34 @@
 
 Owned by :class:`kvtransfer.consumer.KVConsumer` (one link per producer pair); see that
 module for the transfer's life. Every segment (kvtransfer.plan) is received with one receive
-straight into its reserved slots, on the transfer's own tag:
+on the transfer's own tag: straight into its reserved slots in a block-major pool; into a
+staging slab in a layer-major pool, scattered into the slots (one copy) once that receive has
+completed and only while the transfer is not ending (kvtransfer.buffers):
 
 * posted path: when the Open passes every check against the reservation, the reader posts
   the receive of every segment at once and answers Ready; a waiter thread of the transfer
   then waits for them in order, so a segment costs the producer's one message and nothing
-  else (no header, no copy, no second wake-up).
+  else (no header, no copy, no second wake-up). Layer-major: the reader posts the first
+  ``max_in_flight_parts`` segments' receives, each into a slab of its own, and the waiter,
+  once it has scattered a segment, posts the receive of the segment that many further on
+  into the same slab (a send that finds no receive posted waits for one), so staging stays
+  within the window whatever the transfer's size.
 * announced path: a Blocks message says which segments follow; the reader posts their
-  receives then, waits, checks the checksums, and drains the segments of a transfer it does
-  not (or no longer) serve into scratch memory.
+  receives then (layer-major: into one slab, scattered after each), waits, checks the
+  checksums, and drains the segments of a transfer it does not (or no longer) serve into
+  scratch memory.
 
 Cancelling a posted transfer (abort, timeout, the producer's End, a lost pair): its receives
 point into its slots until each has had its message, so the record is terminal only after
 that. The consumer tells the producer (End), which answers with one empty message on the tag
-for every segment it had not sent: the waiter drains them and ends the transfer. (A gloo
+for every segment it had not sent: the waiter drains them (posting the rest of a layer-major
+window's receives as before, and scattering nothing once the transfer is ending: an empty
+message leaves a slab's earlier contents) and ends the transfer. (A gloo
 receive dropped before its message arrives wedges the pair when it does, so none is dropped
 while the pair lives.) A producer that does not answer within the stall timeout loses the
-pair: closing the channel fails every posted receive at once.
+pair: closing the channel fails every posted receive at once. Slabs go back to the link's
+pool once every receive into them has completed; a waiter that stops on a broken pair drops
+its slabs instead (nothing may land in them, but they are not handed out again).
 """
 
 from __future__ import annotations
@@ -33,9 +44,9 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
-from kvtransfer.buffers import Frame, PoolView, crc32
+from kvtransfer.buffers import Frame, PoolView, Slab, SlabPool, crc32
 from kvtransfer.layout import dtype_to_wire
-from kvtransfer.plan import ticket_digest
+from kvtransfer.plan import Segment, ticket_digest
 from kvtransfer.state import FailReason, Location, Side, TransferState
 from kvtransfer.transfers import TransferRecord
 
@@ -61,6 +72,9 @@ class ConsumerLink:
         self._rev_lock = owner._rev_lock
         self._closing = threading.Event()
         self._pool = PoolView(owner._store)
+        # layer-major pools: segments are received into slabs (shared by the waiters)
+        self._staging = (None if self._pool.block_major
+                         else SlabPool(owner.layout, owner.segment_blocks))
         self._scratch: torch.Tensor | None = None  # announced path: drained segments land here
         self._stream: Any = None
         self._topology = None
@@ -237,7 +251,8 @@ class ConsumerLink:
         return None
 
     def _post(self, record: TransferRecord) -> None:
-        """Posted path: a receive per segment into its slots, a waiter for them, Ready."""
+        """Posted path: a receive per segment into its slots (layer-major: the first window's
+        into slabs), a waiter for them, Ready."""
         channel, table = self._channel, self._owner.table
         if channel is None:
             raise wire.ProtocolError("open before the pair was set up")
@@ -245,18 +260,27 @@ class ConsumerLink:
             with table.lock:
                 if record.state.is_terminal:
                     return
-            works = [channel.recv(self._pool.run(seg.first_slot, seg.num_blocks), record.tag)
-                     for seg in record.segments]
-            waiter = threading.Thread(target=self._wait_segments, args=(record,), daemon=True,
-                                      name=f"kvx-wait-{record.req_id}")
+            slabs: list[Slab] | None = None
+            if self._staging is None:
+                works = [channel.recv(self._pool.run(seg.first_slot, seg.num_blocks),
+                                      record.tag) for seg in record.segments]
+            else:
+                window = record.segments[:self._owner.config.max_in_flight_parts]
+                slabs = [self._staging.take() for _ in window]
+                works = [channel.recv(slab.message(seg.num_blocks), record.tag)
+                         for slab, seg in zip(slabs, window, strict=True)]
+            waiter = threading.Thread(target=self._wait_segments, args=(record, slabs),
+                                      daemon=True, name=f"kvx-wait-{record.req_id}")
             with table.lock:
                 record.works, record.waiter = works, waiter
             del works
             waiter.start()
         self._push_rev(wire.Ready(record.req_id, record.tag))
 
-    def _wait_segments(self, record: TransferRecord) -> None:
-        """A posted transfer's waiter: each segment's receive in plan order, then the end."""
+    def _wait_segments(self, record: TransferRecord, slabs: list[Slab] | None) -> None:
+        """A posted transfer's waiter: each segment's receive in plan order, then the end.
+        ``slabs``: layer-major, the window's staging slabs (``works[k]`` receives into
+        ``slabs[k]``); None: the receives go straight into the slots."""
         owner = self._owner
         table, per_block = owner.table, owner.layout.bytes_per_block
         works = record.works
@@ -269,8 +293,11 @@ class ConsumerLink:
         # (gloo neither discards nor skips it), so each one gets exactly one message, a
         # segment or the producer's empty release.
         for seg in record.segments:
+            k = seg.index if slabs is None else seg.index % len(slabs)
             try:
-                works[seg.index].wait(_IDLE_WAIT_S)
+                works[k].wait(_IDLE_WAIT_S)
+                if slabs is not None:
+                    self._land_staged(record, seg, slabs[k], works, k)
             except ChannelError as exc:
                 error = exc
                 break
@@ -279,6 +306,7 @@ class ConsumerLink:
                 works.clear()  # every receive has completed: DONE before the cleanup
                 with table.lock:
                     record.works, record.num_landed = None, len(record.segments)
+                self._give_slabs(slabs)
                 self._push_rev(wire.End(record.req_id, TransferState.DONE, tag=record.tag))
                 return
             with table.lock:
@@ -287,6 +315,8 @@ class ConsumerLink:
                     record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)
         works.clear()  # all completed, or the pair is closed: nothing lands in the slots now
         del works
+        if error is None:
+            self._give_slabs(slabs)
         with table.lock:  # only now may end() finish it directly
             record.works = None
             cancel = record.cancel
@@ -296,6 +326,26 @@ class ConsumerLink:
             reason = FailReason.TIMEOUT if error.timed_out else FailReason.PEER_LOST
             table.finish(record, TransferState.FAILED, reason, Side.PRODUCER,
                          f"receiving from the producer: {error}")
+
+    def _land_staged(self, record: TransferRecord, seg: Segment, slab: Slab, works: list[Any],
+                     k: int) -> None:
+        """Layer-major posted path: the segment is in ``slab``; scatter it into its slots
+        unless the transfer is ending (an empty release message leaves the slab as it was),
+        then post the receive of the segment a window further on into the same slab."""
+        with record.io_lock:  # end() waits for a scatter in progress
+            if record.cancel is None and not record.state.is_terminal:
+                self._pool.scatter(slab, seg.first_slot, seg.num_blocks)
+        later = seg.index + len(works)
+        if later < len(record.segments):
+            channel = self._channel
+            if channel is None:
+                raise ChannelError("the pair is gone")
+            works[k] = channel.recv(slab.message(record.segments[later].num_blocks), record.tag)
+
+    def _give_slabs(self, slabs: list[Slab] | None) -> None:
+        if slabs is not None and self._staging is not None:
+            for slab in slabs:
+                self._staging.give(slab)
 
     def _on_end(self, msg: wire.End) -> None:
         record = self._owner.table.get(msg.req)
@@ -307,7 +357,7 @@ class ConsumerLink:
 
     def _on_blocks(self, msg: wire.Blocks) -> None:
         """Receive the announced segments into their slots (or drain them), in order."""
-        owner, table = self._owner, self._owner.table
+        table = self._owner.table
         if any(n == 0 for n in msg.sizes) or (msg.crc is not None and len(msg.crc) != len(msg.sizes)):
             raise wire.ProtocolError("a blocks message with an empty segment or stray checksums")
         record = table.get(msg.req)
@@ -323,8 +373,18 @@ class ConsumerLink:
         if not serve or record is None:
             self._drain(msg.tag, msg.sizes)
             return
-        timeout = owner.config.stall_timeout_s
-        per_block = owner.layout.bytes_per_block
+        slab = self._staging.take() if self._staging is not None else None
+        self._receive_announced(msg, record, slab)
+        if slab is not None and self._staging is not None:
+            self._staging.give(slab)  # (a ChannelError above drops it: the pair is broken)
+
+    def _receive_announced(self, msg: wire.Blocks, record: TransferRecord,
+                           slab: Slab | None) -> None:
+        """The announced segments into their slots: straight, or (``slab``, layer-major)
+        received into the slab, checked, then scattered."""
+        table = self._owner.table
+        timeout = self._owner.config.stall_timeout_s
+        per_block = self._owner.layout.bytes_per_block
         channel = self._channel
         if channel is None:
             raise wire.ProtocolError("blocks before the pair was set up")
@@ -333,7 +393,8 @@ class ConsumerLink:
                 if record.state.is_terminal:
                     self._drain(msg.tag, msg.sizes[i:])
                     return
-                region = self._pool.run(seg.first_slot, seg.num_blocks)
+                region = (self._pool.run(seg.first_slot, seg.num_blocks) if slab is None
+                          else slab.message(seg.num_blocks))
                 channel.recv(region, msg.tag).wait(timeout)
                 if self._stream is not None:
                     self._stream.synchronize()
@@ -342,6 +403,10 @@ class ConsumerLink:
                                  f"segment {seg.index} checksum mismatch")
                     self._drain(msg.tag, msg.sizes[i + 1:])
                     return
+                if slab is not None:
+                    self._pool.scatter(slab, seg.first_slot, seg.num_blocks)
+                    if self._stream is not None:
+                        self._stream.synchronize()  # in the slots before DONE or the next recv
                 with table.lock:
                     record.num_landed += 1
                     record.mark_progress(seg.num_blocks, seg.num_blocks * per_block)

@@ -4,11 +4,16 @@ No global world group and no ``init_process_group``: every pair builds its own t
 ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL`` (CUDA tensors) from a
 ``PrefixStore`` on the consumer's TCPStore, so a worker holds groups to many peers at once
 and tearing one down (``abort``) leaves the others alone.
+
+A TCPStore server left to itself listens on every interface; ours gets a socket already
+bound to the address the endpoint advertises (the node address the cluster uses), so it
+is not reachable on any other interface. Gloo's own listener binds that address too.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +121,20 @@ class DistQueue:
         self._store = None
 
 
+def _bound_listener(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` (not the wildcard address), any free port."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class DistBackend:
     """TCPStore rendezvous; gloo for CPU pools, NCCL for CUDA pools (chosen per device)."""
 
@@ -130,10 +149,14 @@ class DistBackend:
     def listen(self, host: str) -> dict[str, Any]:
         if self._server is not None:
             raise RuntimeError("DistBackend.listen called twice; use one backend per endpoint")
+        listener = _bound_listener(host)
+        port = int(listener.getsockname()[1])
+        # The store owns the socket from here (its fd), so the Python object lets go of it.
         self._server = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=_td(60), use_libuv=True
+            host, port, is_master=True, wait_for_workers=False, timeout=_td(60),
+            use_libuv=True, master_listen_fd=listener.detach(),
         )
-        return {"host": host, "port": int(self._server.port)}
+        return {"host": host, "port": port}
 
     def open_queue(self, address: dict[str, Any], timeout_s: float) -> DistQueue:
         return DistQueue(str(address["host"]), int(address["port"]), timeout_s)

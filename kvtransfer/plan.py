@@ -3,11 +3,13 @@
 Both sides compute it from the ticket alone (the consumer's slots in prompt order, the
 positions already present there, and the consumer's ``segment_blocks``), so it needs no
 message of its own. A segment is a run of positions still to send whose slots are consecutive
-in the consumer's block-major pool (one contiguous region, at most ``segment_blocks`` blocks):
-the consumer receives it with one receive straight into the slots, the producer sends it with
-one message (from its pool when its source blocks are consecutive too, else from a staging
-buffer it gathers them into). Positions ascend through the plan, so a segment can be sent as
-soon as its last position has been pushed.
+in the consumer's pool (at most ``segment_blocks`` blocks; one contiguous region of a
+block-major pool, one strided copy into a layer-major one): the consumer receives it with one
+receive (straight into the slots of a block-major pool, else into a staging buffer it then
+scatters), the producer sends it with one message (from a block-major pool when its source
+blocks are consecutive too, else from a staging buffer it gathers them into). Positions
+ascend through the plan, so a segment can be sent as soon as its last position has been
+pushed.
 """
 
 from __future__ import annotations

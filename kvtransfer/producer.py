@@ -10,7 +10,9 @@ Life of a transfer here::
                                 consumer are skipped; every segment whose last position is
                                 pushed goes as one message (from push itself when the link is
                                 idle, else the sender thread) while the next chunk computes
-                                (TRANSFERRING)
+                                (TRANSFERRING): a run of a block-major pool as it is, else its
+                                blocks gathered into a staging slab (every segment of a
+                                layer-major pool), in the wire layout either way
     4. End(DONE) on rev queue   the consumer wrote every block: DONE (if it never says so,
                                 the stall watchdog calls it DONE once every send completed)
     any time: abort(), a stall past the timeout, the consumer's End/Bye or death -> terminal;
@@ -272,4 +274,6 @@ def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], int, 
         k in consumer for k in ("endpoint_id", "backend", "server", "location", "layout")
     ):
         raise ValueError("ticket consumer must be a consumer's address() dict")
+    if not isinstance(consumer.get("secret"), str) or not consumer["secret"]:
+        raise ValueError("ticket consumer carries no secret (a ticket from KVConsumer.expect)")
     return req_id, list(block_ids), frozenset(present), tag, segment_blocks, consumer

@@ -12,8 +12,9 @@ the transfer's tag, sent once its last position is pushed and the consumer can t
 * announced path (NCCL, or with checksums): a Blocks message (with the checksums) precedes
   each batch of segments; the consumer posts their receives when it reads it.
 
-A segment is sent straight from the pool when its source blocks are consecutive, else
-gathered into a staging slab. Sends are issued under ``_issue_lock`` in order, so at most one
+A segment is sent straight from a block-major pool when its source blocks are consecutive,
+else gathered into a staging slab in the wire layout; from a layer-major pool every segment is
+gathered (kvtransfer.buffers), so the consumer sees the same messages from either layout. Sends are issued under ``_issue_lock`` in order, so at most one
 message per posted receive ever travels on a tag: when the consumer cancels (its End), one
 empty message releases its next posted receive if some segment was not sent (the flush),
 and no segment is sent after that.
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import FramePool, PoolView, Slab, SlabPool, crc32
 from kvtransfer.layout import dtype_to_wire
@@ -148,12 +149,14 @@ class ProducerLink:
 
     def _segment_message(self, record: TransferRecord, seg: Segment, read: bool = True
                          ) -> tuple[torch.Tensor, Slab | None, SlabPool | None]:
-        """The segment as one message: a run of the pool, or its blocks gathered into a slab.
-        ``read`` False (a transfer that ended after it was announced): a slab as it is, so
-        that no read of the source blocks starts after the end (the consumer drains it)."""
+        """The segment as one message: a run of a block-major pool, or its blocks gathered
+        into a slab. ``read`` False (a transfer that ended after it was announced): a slab as
+        it is, so that no read of the source blocks starts after the end (the consumer drains
+        it)."""
         positions, src, n = seg.positions, record.src, seg.num_blocks
         first = src[positions[0]]
-        if read and (n == 1 or [src[p] for p in positions] == list(range(first, first + n))):
+        if read and self._pool.block_major and (
+                n == 1 or [src[p] for p in positions] == list(range(first, first + n))):
             return self._pool.run(first, n), None, None
         staging = self._staging.get(record.segment_blocks)
         if staging is None:
@@ -196,9 +199,10 @@ class ProducerLink:
         self._fwd = backend.open_queue(owner._server, cfg.connect_timeout_s)
         accept = backend.open_queue(server, cfg.connect_timeout_s)
         rev = backend.open_queue(server, cfg.connect_timeout_s)
+        proof = auth.pair_proof(str(self._consumer["secret"]), self.pair, owner.endpoint_id)
         hello = wire.encode(wire.Hello(
             self.pair, owner.endpoint_id, dict(owner._server), owner.location.to_wire(),
-            owner.layout.to_wire()))
+            owner.layout.to_wire(), proof))
         channel = backend.open_channel(server, self.pair, 0, owner.layout.device,
                                        owner.location.host, cfg.connect_timeout_s,
                                        on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello))

@@ -34,9 +34,11 @@ def make_layout(spec: dict[str, Any]) -> KVLayout:
     )
 
 
-def seeded_store(layout: KVLayout, num_blocks: int, seed: int | None) -> TensorKVStore:
-    """A pool that is zeros (seed None) or a reproducible random fill."""
-    store = TensorKVStore(layout, num_blocks)
+def seeded_store(layout: KVLayout, num_blocks: int, seed: int | None, *,
+                 layer_major: bool = False) -> TensorKVStore:
+    """A pool (block-major, or layer-major) that is zeros (seed None) or a reproducible random
+    fill."""
+    store = TensorKVStore(layout, num_blocks, layer_major=layer_major)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         data = torch.randn(store.kv_tensor().shape, generator=gen).to(layout.dtype)
@@ -69,11 +71,11 @@ def wait_terminal(endpoint: KVConsumer | KVProducer, req_id: str, timeout_s: flo
 
 def _peer_main(conn: Any, role: str, layout_spec: dict[str, Any], num_blocks: int,
                seed: int | None, config: dict[str, Any], node_id: str,
-               frames: bool | None) -> None:
+               frames: bool | None, layer_major: bool) -> None:
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack
     layout = make_layout(layout_spec)
-    store = seeded_store(layout, num_blocks, seed)
+    store = seeded_store(layout, num_blocks, seed, layer_major=layer_major)
     cls = KVConsumer if role == "consumer" else KVProducer
     endpoint = cls(store, location=Location(node_id, str(layout.device)),
                    config=TransferConfig(**config), backend=DistBackend(frames=frames))
@@ -113,17 +115,19 @@ def _peer_main(conn: Any, role: str, layout_spec: dict[str, Any], num_blocks: in
 
 
 class PeerProcess:
-    """A producer or consumer endpoint in a spawned process, driven by msgpack commands."""
+    """A producer or consumer endpoint in a spawned process, driven by msgpack commands, over
+    a block-major pool (or a layer-major one, ``layer_major=True``)."""
 
     def __init__(self, role: str, layout_spec: dict[str, Any], num_blocks: int, *,
                  seed: int | None = None, config: dict[str, Any] | None = None,
                  node_id: str = "node-0", frames: bool | None = None,
-                 start_timeout_s: float = 120.0) -> None:
+                 layer_major: bool = False, start_timeout_s: float = 120.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_peer_main,
-            args=(child, role, layout_spec, num_blocks, seed, config or {}, node_id, frames),
+            args=(child, role, layout_spec, num_blocks, seed, config or {}, node_id, frames,
+                  layer_major),
             daemon=True,
         )
         self.process.start()

@@ -59,7 +59,9 @@ class TransferRecord:
     confirming: bool = False  # the stall watchdog asked the sender to settle it
     # consumer
     num_landed: int = 0  # segments written into the slots
-    works: list[Any] | None = None  # posted path: one receive per segment, owned by the waiter
+    # posted path: one receive per segment (layer-major: per slab of the window), owned by
+    # the waiter
+    works: list[Any] | None = None
     waiter: threading.Thread | None = None  # posted path: the thread that waits for them
     # posted path: the terminal state to take once every receive has had its message
     cancel: tuple[TransferState, FailReason | None, Side | None, str] | None = None

@@ -38,6 +38,7 @@ class Hello:
     server: dict[str, Any]  # the producer's rendezvous server (its fwd queue lives there)
     location: dict[str, Any]
     layout: dict[str, Any]
+    proof: str = ""  # kvtransfer.auth.pair_proof: the producer holds the ticket's secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ def encode(msg: Message) -> bytes:
         body: dict[str, Any] = {
             "t": "hello", "pair": msg.pair, "producer_id": msg.producer_id,
             "server": msg.server, "location": msg.location, "layout": msg.layout,
+            "proof": msg.proof,
         }
     elif isinstance(msg, Open):
         body = {
@@ -145,6 +147,7 @@ def decode(raw: bytes) -> Message:
         return Hello(
             pair=_str(body, "pair"), producer_id=_str(body, "producer_id"),
             server=_map(body, "server"), location=_map(body, "location"), layout=_map(body, "layout"),
+            proof=_str(body, "proof"),
         )
     if kind == "open":
         posted = body.get("posted")

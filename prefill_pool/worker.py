@@ -17,6 +17,10 @@ Life of a request on a prefill worker (STYLE.md item 7):
 4. RELEASE: once the transfer is terminal (DONE, FAILED or ABORTED) the request's blocks
    are released; full blocks stay in the prefix cache for later prompts.
 5. ABORT: the cluster's abort or a failed transfer drops the request in any stage.
+6. FAIL: a step that fails because of one request (the engine reruns a failed batch one
+   request at a time) ends that request alone: its transfer is aborted and its decode
+   worker gets a ``Prefilled`` with the error, which goes to its client. A step loop that
+   fails MAX_STEP_FAILURES times in a row ends the requests of that step the same way.
 
 :class:`PrefillWorker` is a plain class; the Ray actor around it lives in
 ``cluster/worker_actors.py``.
@@ -35,6 +39,8 @@ from engine.service import EngineThread, block_events, sampling_params, wait_eve
 from scheduler.messages import (
     BlockEvent,
     GenerationSpec,
+    HeldRequest,
+    HeldStage,
     Prefilled,
     PrefilledBatch,
     ReqEvent,
@@ -53,6 +59,7 @@ log = logging.getLogger(__name__)
 
 ReportFn = Callable[[WorkerReport], Awaitable[None]]
 NotifyFn = Callable[[str, PrefilledBatch], Awaitable[None]]
+MAX_STEP_FAILURES = 3
 
 
 @dataclass(slots=True)
@@ -84,7 +91,11 @@ class PrefillWorker:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_tasks: set[asyncio.Task[None]] = set()
+        self._stepping: list[str] = []  # the requests of the step being run
         self.num_steps = 0
+        # The last plan had nothing to run (waiting for room or a transfer): steps are not
+        # due, so a still step count is no stall (WorkerReport.is_busy).
+        self._plan_was_empty = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -126,6 +137,14 @@ class PrefillWorker:
         self.producer.forget(req_id)
         await self._thread.call(self.engine.abort, req_id)
 
+    def held_requests(self) -> tuple[HeldRequest, ...]:
+        """The prefills this worker holds, for a scheduler that restarted (``WorkerHello``):
+        their decode workers keep the ones this worker still has."""
+        return tuple(HeldRequest(j.spec, HeldStage.PREFILLING, 0, 0, self.worker_id,
+                                 num_prefill_left=self.sched.local[rid].num_prefill_left
+                                 if rid in self.sched.local else 0)
+                     for rid, j in self._jobs.items())
+
     def status(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
                 "num_total_blocks": self.engine.num_total_blocks, "num_requests": len(self._jobs),
@@ -134,30 +153,58 @@ class PrefillWorker:
     # -- loops ---------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        failures = 0
         while True:
             sending = any(j.prefill_done for j in self._jobs.values())
             if not self.sched.has_work():
                 await wait_event(self._wake, 0.005 if sending else 0.25)
             self._wake.clear()
+            self._stepping = []
             try:
                 if self.sched.has_work():
                     await self._step()
                 await self._release_sent()
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep serving the other requests
-                log.exception("prefill worker %s: step failed", self.worker_id)
+                failures += 1
+                log.exception("prefill worker %s: step failed (%d in a row)", self.worker_id,
+                              failures)
+                if failures >= MAX_STEP_FAILURES:  # a bound, never a retry forever
+                    failures = 0
+                    for rid in self._stepping:
+                        await self._fail(rid, "step_failed: the prefill worker's step failed "
+                                         f"{MAX_STEP_FAILURES} times")
                 await asyncio.sleep(0.05)
+
+    async def _fail(self, req_id: str, error: str) -> None:
+        """End ``req_id`` here and tell its decode worker why (it tells the client)."""
+        job = self._jobs.get(req_id)
+        if job is None:
+            return
+        await self.abort(req_id)
+        self._spawn_send(job.decode_worker_id, PrefilledBatch(
+            (Prefilled(req_id, 0, None, time.time(), error),)))
+
+    def _spawn_send(self, decode_worker_id: str, batch: PrefilledBatch) -> None:
+        task = asyncio.get_running_loop().create_task(self._send(decode_worker_id, batch))
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._notify_tasks.discard)
 
     async def _step(self) -> None:
         now = time.time()
         plan = self.sched.plan(now, self.engine.num_free_blocks)
+        self._plan_was_empty = not plan.chunks
         if not plan.chunks:
             await wait_event(self._wake, 0.01)
             return
+        self._stepping = [rid for rid, _ in plan.chunks]
         t0 = time.perf_counter()
         outs, refused, computed, events = await self._thread.call(self._run, list(plan.chunks))
-        seconds = time.perf_counter() - t0
+        seconds: float | None = time.perf_counter() - t0
+        if any(o.error is not None for o in outs):
+            seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
         self.sched.commit(plan, now, seconds=seconds, refused=refused, computed=computed,
                           decodes_here=False)
@@ -167,6 +214,14 @@ class PrefillWorker:
         for out in outs:
             job = self._jobs.get(out.req_id)
             if job is None:
+                continue
+            if out.error is not None:  # it failed the step alone and left the engine
+                self._jobs.pop(out.req_id, None)
+                self.sched.remove(out.req_id)
+                self.producer.abort(out.req_id)
+                self.producer.forget(out.req_id)
+                firsts.setdefault(job.decode_worker_id, []).append(
+                    Prefilled(out.req_id, 0, None, t, f"step_failed: {out.error}"))
                 continue
             if out.ready_block_ids:
                 self.producer.push(out.req_id, list(out.ready_block_ids))
@@ -181,10 +236,7 @@ class PrefillWorker:
                 Prefilled(out.req_id, int(out.new_token_ids[0]), finish, t))
             self._events.append(ReqEvent(out.req_id, WorkerEvent.PREFILL_DONE, t))
         for dwid, items in firsts.items():
-            task = asyncio.get_running_loop().create_task(
-                self._send(dwid, PrefilledBatch(tuple(items))))
-            self._notify_tasks.add(task)
-            task.add_done_callback(self._notify_tasks.discard)
+            self._spawn_send(dwid, PrefilledBatch(tuple(items)))
         if self._events:
             self._report_soon()
 
@@ -229,7 +281,8 @@ class PrefillWorker:
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
                            self.engine.num_total_blocks, tuple(self._events),
                            tuple(self._block_events), (), running,
-                           self.sched.costs.to_tuple(), self.num_steps)
+                           self.sched.costs.to_tuple(), self.num_steps,
+                           is_busy=self.sched.has_work() and not self._plan_was_empty)
         self._events, self._block_events = [], []
         try:
             await self._report_fn(rep)

@@ -2,12 +2,17 @@
 
 Data flow of one request::
 
-    body bytes ──parse_body──▶ request model ──TenantDirectory.resolve──▶ caller + tier
-      ──tokenize + length checks──▶ GenerationSpec ──backend.generate──▶ TokenDelta stream
+    headers ──AccessGate (router/access.py)──▶ tenant (401 / 415 / 413 before any body)
+    body bytes (at most router.max_body_bytes) ──parse_body──▶ request model
+      ──TenantDirectory.tier_for──▶ tier
+      ──length bound, then tokenize off the event loop, id and length checks──▶
+      GenerationSpec ──backend.generate──▶ TokenDelta stream
       ──TextAssembler (stop strings)──▶ JSON body, or SSE chunks ("data: {...}", "[DONE]")
 
 Every refusal is an :class:`~router.protocol.ApiError` rendered as an OpenAI error
-body. Backend failures map to 429/503/504/500. A client that goes away (the task is
+body, and so is every other error, from any layer (an unexpected one is a 500 with an
+``internal_error`` body, never a plain-text page). Backend failures map to
+429/503/504/500/400. ``/openapi.json`` publishes the request bodies' JSON schemas. A client that goes away (the task is
 cancelled) or a stop string ends the stream and aborts the request in the backend,
 which frees its blocks. Nothing here knows about Ray: the Serve deployment in
 ``cluster/router_deployment.py`` wraps this app around the cluster backend.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,8 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.access import AccessGate, read_body
 from router.backend import (
     Backend,
     BackendError,
@@ -46,8 +55,10 @@ from router.protocol import (
     parse_body,
     usage,
 )
-from router.tenants import TIER_HEADER, TenantDirectory
+from router.tenants import TIER_HEADER, TenantDirectory, TenantEntry
 from router.text import TextAssembler
+
+log = logging.getLogger(__name__)
 
 # Serve sets its own x-request-id; ours names the request for /v1/requests/{id}/why.
 REQUEST_ID_HEADER = "x-tierserve-request-id"
@@ -59,6 +70,10 @@ class RouterSettings:
     default_max_tokens: int = 256
     request_timeout_s: float = 600.0
     health_timeout_s: float = 5.0
+    # Bodies over this are refused (413) before they are read in full or parsed.
+    max_body_bytes: int = 4 << 20
+    # /metrics without a key even when keys are required (a scraper inside the cluster).
+    open_metrics: bool = False
 
 
 @dataclass(slots=True)
@@ -100,6 +115,46 @@ def _api_error(err: BackendError) -> ApiError:
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _backend_call(call: Any, timeout_s: float) -> Any:
+    """A read-side backend call (metrics, why) with its failures as API errors."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(504, "the cluster did not answer in time", type_="timeout",
+                       code="timeout") from None
+    except BackendError as e:
+        raise _api_error(e) from None
+
+
+def _openapi_with_bodies(app: FastAPI, bodies: dict[str, type], requires_key: bool) -> Any:
+    """FastAPI's schema plus the request bodies it cannot see (the handlers parse them
+    themselves, after the access checks) and the bearer scheme when keys are required."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        ref = "#/components/schemas/{model}"
+        for path, model in bodies.items():
+            js = model.model_json_schema(ref_template=ref)
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+            op = schema["paths"][path]["post"]
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": ref.format(model=model.__name__)}}}}
+        if requires_key:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                                   "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    return build
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -159,35 +214,82 @@ def build_app(
 ) -> FastAPI:
     cfg = settings or RouterSettings()
     app = FastAPI(title="tierserve", docs_url=None, redoc_url=None)
+    open_paths = {"/health", *(["/metrics"] if cfg.open_metrics else [])}
+    app.add_middleware(AccessGate, tenants=tenants, open_paths=open_paths,
+                       max_body_bytes=cfg.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _on_api_error(_: Request, err: ApiError) -> JSONResponse:
         return _error_response(err)
 
-    @app.exception_handler(404)
-    async def _on_404(request: Request, _: Exception) -> JSONResponse:
-        return _error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(ApiError(404, f"no route {request.url.path[:200]}",
+                                            code="not_found"))
+        if exc.status_code == 405:
+            return _error_response(ApiError(
+                405, f"method {request.method} not allowed on {request.url.path[:200]}"))
+        return _error_response(ApiError(exc.status_code, str(exc.detail)[:200]))
 
-    @app.exception_handler(405)
-    async def _on_405(request: Request, _: Exception) -> JSONResponse:
-        return _error_response(
-            ApiError(405, f"method {request.method} not allowed on {request.url.path}")
-        )
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        return _error_response(ApiError(400, str(first.get("msg", "invalid request"))[:200]))
 
-    def _spec(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> GenerationSpec:
-        caller = tenants.resolve(
-            request.headers.get("authorization"), request.headers.get(TIER_HEADER), body.priority
-        )
-        if body.model != backend.model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server has "
-                           f"{backend.model_name!r}", param="model", code="model_not_found")
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected %s in the router", type(exc).__name__, exc_info=exc)
+        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})",
+                                        type_="internal_error", code="internal_error"))
+
+    def _tenant(request: Request) -> TenantEntry:
+        return request.state.tenant  # set by AccessGate on every non-open path
+
+    async def _prompt_ids(body: ChatCompletionRequest | CompletionRequest, chat: bool
+                          ) -> list[int]:
+        """The prompt's token ids, tokenized off the event loop; a text whose length alone
+        puts it over the context is refused without tokenizing it."""
         tok = backend.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = tok.encode_chat(msgs)
-        else:
+        max_len = backend.max_model_len
+        param = "messages" if chat else "prompt"
+        if isinstance(body, CompletionRequest):
             prompt = body.prompt_text_or_ids()
-            ids = prompt if isinstance(prompt, list) else tok.encode_prompt(prompt)
+            if isinstance(prompt, list):
+                if prompt and max(prompt) >= tok.vocab_size:
+                    raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})",
+                                   param="prompt", code="invalid_token_id")
+                return prompt
+            texts = [prompt]
+        else:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            texts = [m["content"] for m in msgs]
+        num_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        at_least = -(-num_bytes // max(1, tok.max_token_bytes))
+        if at_least >= max_len:
+            raise ApiError(400, f"this model's maximum context length is {max_len} tokens; the "
+                           f"prompt has at least {at_least}", param=param,
+                           code="context_length_exceeded")
+        try:
+            if isinstance(body, CompletionRequest):
+                return await asyncio.to_thread(tok.encode_prompt, texts[0])
+            return await asyncio.to_thread(tok.encode_chat, msgs)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise ApiError(400, f"the prompt cannot be tokenized: {str(e)[:200]}",
+                           param=param) from None
+
+    async def _spec(body: ChatCompletionRequest | CompletionRequest, request: Request,
+                    chat: bool) -> GenerationSpec:
+        tenant = _tenant(request)
+        tier = tenants.tier_for(tenant, request.headers.get(TIER_HEADER), body.priority)
+        if body.model != backend.model_name:
+            raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server has "
+                           f"{backend.model_name!r}", param="model", code="model_not_found")
+        asked = body.requested_max_tokens()
+        if asked is not None and not 1 <= asked <= cfg.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be in [1, {cfg.max_tokens_limit}], got "
+                           f"{str(asked)[:24]}", param="max_tokens")
+        ids = await _prompt_ids(body, chat)
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         max_len = backend.max_model_len
@@ -195,10 +297,6 @@ def build_app(
             raise ApiError(400, f"this model's maximum context length is {max_len} tokens; the "
                            f"prompt has {len(ids)}", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        asked = body.requested_max_tokens()
-        if asked is not None and not 1 <= asked <= cfg.max_tokens_limit:
-            raise ApiError(400, f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {asked}",
-                           param="max_tokens")
         if asked is None:
             max_tokens = min(cfg.default_max_tokens, max_len - len(ids))
         elif len(ids) + asked > max_len:
@@ -217,8 +315,8 @@ def build_app(
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=body.seed,
             ),
-            tier=caller.tier,
-            tenant=caller.tenant,
+            tier=tier,
+            tenant=tenant.name,
             arrival_time=time.time(),
         )
 
@@ -241,7 +339,7 @@ def build_app(
 
     async def _complete(raw: bytes, request: Request, chat: bool) -> Response:
         body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-        spec = _spec(body, request, chat)
+        spec = await _spec(body, request, chat)
         call = _Call(backend, spec, body.stop_list())
         call.deadline = time.monotonic() + cfg.request_timeout_s
         if body.stream:
@@ -318,11 +416,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _complete(await request.body(), request, chat=True)
+        return await _complete(await read_body(request, cfg.max_body_bytes), request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _complete(await request.body(), request, chat=False)
+        return await _complete(await read_body(request, cfg.max_body_bytes), request, chat=False)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -340,16 +438,22 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        payload, content_type = await asyncio.wait_for(backend.metrics(), cfg.health_timeout_s)
+        payload, content_type = await _backend_call(backend.metrics(), cfg.health_timeout_s)
         return Response(payload, media_type=content_type)
 
     @app.get("/v1/requests/{req_id}/why")
-    async def why(req_id: str) -> JSONResponse:
-        report = await asyncio.wait_for(backend.why(req_id), cfg.health_timeout_s)
+    async def why(req_id: str, request: Request) -> JSONResponse:
+        # With keys, a tenant sees only its own requests (an unknown id and another
+        # tenant's answer alike: 404), and the chain names no other tenant's request.
+        viewer = _tenant(request).name if tenants.requires_key else None
+        report = await _backend_call(backend.why(req_id, viewer), cfg.health_timeout_s)
         if report is None:
-            raise ApiError(404, f"no request {req_id!r} is known", param="req_id",
+            raise ApiError(404, f"no request {req_id[:100]!r} is known", param="req_id",
                            code="not_found")
         return JSONResponse(report)
 
+    app.openapi = _openapi_with_bodies(  # type: ignore[method-assign]
+        app, {"/v1/chat/completions": ChatCompletionRequest,
+              "/v1/completions": CompletionRequest}, tenants.requires_key)
     return app
 

@@ -55,6 +55,18 @@ class BackendError(Exception):
 
 
 class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        ...
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes: a text of n bytes has at least
+        n / max_token_bytes tokens, so a prompt far over the context is refused from its
+        length alone, without tokenizing it."""
+        ...
+
     def encode_prompt(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
@@ -86,8 +98,10 @@ class Backend(Protocol):
         """``{"ok": bool, ...}`` with whatever detail the backend has."""
         ...
 
-    async def why(self, req_id: str) -> dict[str, Any] | None:
-        """Why the request went as it did (``cluster.why.WhyReport.to_dict()``), or None."""
+    async def why(self, req_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """Why the request went as it did (``cluster.why.WhyReport.to_dict()``), or None.
+        ``tenant`` set: None unless the request is that tenant's, and other tenants'
+        request ids are not named in the chain."""
         ...
 
     async def metrics(self) -> tuple[bytes, str]:

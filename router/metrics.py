@@ -266,6 +266,16 @@ class MetricsRecorder:
         self.kv_used_blocks.labels(w).set(used_blocks)
         self.kv_total_blocks.labels(w).set(total_blocks)
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a dead worker's KV series: its blocks died with it (a replacement under
+        the same id sets them again when it reports)."""
+        w = _label(worker_id)
+        for gauge in (self.kv_usage, self.kv_used_blocks, self.kv_total_blocks):
+            try:
+                gauge.remove(w)
+            except KeyError:  # never reported
+                pass
+
     def set_shares(self, shares: Sequence[float] | Mapping[int, float]) -> None:
         items = shares.items() if isinstance(shares, Mapping) else enumerate(shares)
         for tier, share in items:

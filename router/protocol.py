@@ -4,14 +4,18 @@ Data flow: raw JSON -> :func:`parse_body` -> a validated request model (or an
 :class:`ApiError` carrying an HTTP status and an OpenAI-style error body) -> the HTTP
 layer in ``router/app.py``. Response builders return plain dicts ready for JSON or SSE.
 Unknown extra fields are ignored (clients send newer parameters); known fields must
-have the right type.
+have the right type and lie in their range (a seed fits 64 signed bits, floats are finite,
+token ids are non-negative 32-bit values, stop strings are short), and no string may
+hold a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no tokenizer's input):
+what passes here can be packed as msgpack and tokenized. The models' JSON schemas are
+what ``/openapi.json`` publishes for the request bodies.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -48,6 +52,14 @@ class ApiError(Exception):
         }
 
 
+# torch's generator seeds and msgpack's integers: a seed is one signed 64-bit value (vLLM's range).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP_CHARS = 256  # a stop string is searched for after every token: keep it short
+MAX_TOKEN_ID = 2**31 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
@@ -78,9 +90,9 @@ class _SamplingFields(_Body):
     model: str
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,6 +106,9 @@ class _SamplingFields(_Body):
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        for one in [v] if isinstance(v, str) else v or []:
+            if len(one) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return v
 
     def stop_list(self) -> list[str]:
@@ -110,7 +125,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[TokenId]
 
     def prompt_text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, str):
@@ -124,11 +139,17 @@ class CompletionRequest(_SamplingFields):
 
 def parse_body(raw: bytes, model: type[_Body]) -> Any:
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+        raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise ApiError(400, f"{where or 'body'}: a string holds a lone UTF-16 surrogate "
+                       "(\\ud800-\\udfff escapes must come in valid pairs)", param=where or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -138,6 +159,35 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
             f"{'.'.join(str(p) for p in it['loc'])}: {it['msg']}" for it in e.errors()[:5]
         )
         raise ApiError(400, msg, param=param) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of the first string holding an unpaired surrogate ("" for a key), or None."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return path
+                stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
+    return None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

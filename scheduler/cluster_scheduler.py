@@ -24,7 +24,13 @@ Life of a request here (STYLE.md item 7):
    preempted, resumed, finished, aborted); free blocks, running requests, prefill
    progress, prefix-cache events and fitted step costs refresh the view.
 5. ``abort`` / ``remove_worker``: ``AbortOrder`` for every worker that holds it; a
-   request the cluster gave up on carries an error its router reports or retries.
+   request the cluster gave up on carries an error its router reports or retries. A dead
+   prefill worker ends nothing here by itself: whether a request it prefilled still needs
+   it (KV not all arrived) only its decode worker knows, so the driver asks that worker
+   and ends what it dropped (``abort`` with ``worker_failed``).
+6. ``adopt``: a scheduler that restarted rebuilds its view from what the decode workers
+   say they hold as they register again; ``drop_unclaimed`` then ends the adopted
+   requests whose router no longer waits on them.
 
 Every state change goes through :func:`scheduler.request.transition` and reaches the
 optional observer (metrics, traces, "why was my request late").
@@ -39,7 +45,15 @@ from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
 from scheduler.backlog import PrefillBook
-from scheduler.messages import BlockEvent, ReqEvent, SubmitOutcome, WorkerEvent, WorkerReport
+from scheduler.messages import (
+    BlockEvent,
+    HeldRequest,
+    HeldStage,
+    ReqEvent,
+    SubmitOutcome,
+    WorkerEvent,
+    WorkerReport,
+)
 from scheduler.placement import DecodeView, PrefillView
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext, SchedulingPolicy
@@ -198,6 +212,9 @@ class _Entry:
     is_dispatching: bool = False
     move_class: TopologyClass | None = None
     num_blocks: int = 0
+    # Rebuilt from a worker's registration after a restart of the scheduler, and not yet
+    # claimed by its router (drop_unclaimed ends it if the router does not claim it).
+    is_adopted: bool = False
 
 
 class OutputLengths:
@@ -332,20 +349,81 @@ class ClusterScheduler:
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
-        """A worker died: every request it held ends with ``worker_failed`` (its router
-        retries it by recompute on the live workers). Returns those request ids."""
+        """A worker died: every request decoding (or prefilling for itself) there ends with
+        ``worker_failed`` (its router retries it by recompute on the live workers). Returns
+        those request ids. Requests a dead prefill-only worker prefilled for another decode
+        worker are left to that worker (``remove_worker`` cannot know whether their KV has
+        arrived; the driver asks the decode worker and aborts what it dropped); dispatches
+        in flight are answered by their decode worker as usual."""
         w = self.workers.get(worker_id)
         if w is None or not w.is_alive:
             return []
         w.is_alive = False
         self.est.invalidate()
         self.mirror.drop_worker(worker_id)
-        lost = [rid for rid, e in self.live.items()
-                if worker_id in (e.req.prefill_worker_id, e.req.decode_worker_id)]
+        lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
             self._end(rid, now, D.WORKER_FAILED, f"worker:{worker_id}", error="worker_failed",
                       skip_worker=worker_id)
         return lost
+
+    def waiting_on(self, prefill_worker_id: str) -> dict[str, list[str]]:
+        """Per decode worker, the live requests prefilled on ``prefill_worker_id`` whose
+        decode has not started as far as this view knows (their KV may still be on its way)."""
+        out: dict[str, list[str]] = {}
+        for rid, e in self.live.items():
+            r = e.req
+            if (r.prefill_worker_id == prefill_worker_id and r.decode_worker_id is not None
+                    and r.decode_worker_id != prefill_worker_id and not e.is_dispatching
+                    and r.state in (S.PREFILLING, S.TRANSFERRING)):
+                out.setdefault(r.decode_worker_id, []).append(rid)
+        return out
+
+    def adopt(self, worker_id: str, held: HeldRequest) -> bool:
+        """Rebuild a request a decode worker holds (it registered with a scheduler that
+        restarted and lost its view). False: the id is already live, or the worker is not
+        a registered decode worker."""
+        w = self.workers.get(worker_id)
+        spec = held.spec
+        if w is None or not w.is_alive or not w.can_decode or spec.req_id in self.live:
+            return False
+        if not 0 <= spec.tier < self.tiers.num_tiers:
+            return False
+        state = {HeldStage.DECODING: S.DECODING, HeldStage.SWAPPED: S.PREEMPTED,
+                 HeldStage.PREFILLING: S.PREFILLING}.get(held.stage)
+        prefill_id = worker_id
+        if held.stage is HeldStage.RECEIVING:
+            state = S.PREFILLING if held.first_token_time is None else S.TRANSFERRING
+            prefill_id = held.prefill_worker_id or worker_id
+        if held.stage is HeldStage.PREFILLING and held.num_output_tokens > 0:
+            state = S.PREEMPTED  # recomputing after a preemption here
+        req = Request(spec.req_id, spec.tier, spec.arrival_time, len(spec.prompt_token_ids),
+                      spec.sampling.max_tokens, state=state or S.DECODING,
+                      num_output_tokens=held.num_output_tokens,
+                      first_token_time=held.first_token_time,
+                      prefill_worker_id=prefill_id, decode_worker_id=worker_id)
+        self.live[spec.req_id] = _Entry(req, spec.router_id, is_adopted=True,
+                                        num_blocks=held.num_blocks)
+        w.held[spec.req_id] = held.num_blocks
+        if held.stage is HeldStage.PREFILLING and held.num_prefill_left > 0:
+            w.prefill_left.put(spec.req_id, held.num_prefill_left, spec.tier)
+        self.est.invalidate()  # the worker's backlog changed
+        return True
+
+    def drop_unclaimed(self, router_id: str, claimed: Iterable[str], now: float) -> list[str]:
+        """``router_id`` said which of its requests it still waits on: its adopted requests
+        it did not name end (nobody reads them); the named ones are its again."""
+        keep = set(claimed)
+        dropped = []
+        for rid, e in list(self.live.items()):
+            if not e.is_adopted or e.router_id != router_id:
+                continue
+            if rid in keep:
+                e.is_adopted = False
+            else:
+                self._end(rid, now, D.CLIENT_GONE, f"router:{router_id}:unclaimed")
+                dropped.append(rid)
+        return dropped
 
     def _prefill_slots(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if w.is_alive and w.can_prefill

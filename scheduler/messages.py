@@ -17,6 +17,12 @@ The flows, in the order a request meets them::
     router ──FinishBatch──▶ scheduler                         (client-side timings)
     scheduler ──NoticeBatch──▶ router                         (requests ended by the cluster)
 
+and the ones that heal the cluster after a failure::
+
+    worker ──WorkerHello──▶ scheduler ──HelloAnswer──▶ worker  (at setup, and whenever the
+                                                               scheduler does not know it)
+    router ──Claim──▶ scheduler ──ClaimAnswer──▶ router        (after the scheduler restarted)
+
 This module sits at the bottom floor so every package can share it; it imports only
 msgpack and the standard library.
 """
@@ -277,6 +283,9 @@ class Prefilled:
     first_token: int
     finish: str | None = None  # the first token is also the last ("stop" | "length")
     time: float = 0.0
+    # The prefill failed on this request alone (``step_failed: ...``): no token, no KV
+    # will come; the decode worker ends it with this error (its router is told).
+    error: str | None = None
 
 
 @message("pres")
@@ -331,8 +340,10 @@ class FinishBatch:
 
 
 # Errors after which a router retries the request on the live workers, as a recompute from
-# the tokens it has already streamed (the work was lost, not refused).
-RETRYABLE_ERRORS = frozenset({"worker_failed", "transfer_failed"})
+# the tokens it has already streamed (the work was lost, not refused). "scheduler_restarted":
+# the global scheduler came back without the request (it was queued there, or no worker
+# still held it).
+RETRYABLE_ERRORS = frozenset({"worker_failed", "transfer_failed", "scheduler_restarted"})
 
 
 @message("note")
@@ -426,6 +437,77 @@ class WorkerReport:
     # leaves out); False: only those whose figures changed since the last report (the
     # others, and the requests events ended, stand as they were).
     is_complete: bool = True
+    # The worker has requests its steps must advance (the scheduler's stall watch: busy
+    # and ``num_steps`` not moving for a bound means hung).
+    is_busy: bool = False
+    # Which start of the worker's process sent it (WorkerHello.incarnation; "": unknown).
+    incarnation: str = ""
+
+
+# -- healing ------------------------------------------------------------------------
+
+
+@wire_enum
+class HeldStage(enum.Enum):
+    RECEIVING = "receiving"  # blocks reserved, KV arriving from ``prefill_worker_id``
+    PREFILLING = "prefilling"  # prefilled on the worker itself (local prefill, recompute)
+    DECODING = "decoding"
+    SWAPPED = "swapped"  # preempted to host memory
+
+
+@message("held")
+@dataclass(frozen=True, slots=True)
+class HeldRequest:
+    """A request a decode worker holds, as it registers: a restarted scheduler adopts it."""
+
+    spec: GenerationSpec
+    stage: HeldStage
+    num_blocks: int
+    num_output_tokens: int
+    prefill_worker_id: str | None = None
+    first_token_time: float | None = None
+    num_prefill_left: int = 0
+
+
+@message("hello")
+@dataclass(frozen=True, slots=True)
+class WorkerHello:
+    """Worker -> scheduler once it has set up, and again whenever the scheduler answers a
+    report with "unknown" (it restarted): who it is, where it runs (``info``: the setup
+    document, ``cluster.worker_actors``) and what it holds. ``incarnation`` is new with
+    every start of the worker's process, so a restart is never mistaken for the old one."""
+
+    worker_id: str
+    role: str
+    incarnation: str
+    info: dict[str, Any]
+    held: tuple[HeldRequest, ...] = ()
+
+
+@message("hans")
+@dataclass(frozen=True, slots=True)
+class HelloAnswer:
+    """The held requests the worker must drop: the cluster already ended them."""
+
+    drop_req_ids: tuple[str, ...] = ()
+
+
+@message("claim")
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Router -> scheduler when its notice stream opens again: the attempts it still
+    waits on. Adopted requests of that router it does not name are ended."""
+
+    router_id: str
+    req_ids: tuple[str, ...] = ()
+
+
+@message("cans")
+@dataclass(frozen=True, slots=True)
+class ClaimAnswer:
+    """The claimed attempts the scheduler does not know (ended by the router, retried)."""
+
+    unknown_req_ids: tuple[str, ...] = ()
 
 
 @message("abrt")

@@ -103,6 +103,57 @@ void attend_task(const T* qrow, const T* kv, const int32_t* table, int64_t lo, i
         for (int64_t i = 0; i < groups * DIM; ++i) from_float(acc[i], orow + i);
         return;
     }
+#elif TIERSERVE_AVX2
+    if constexpr (DIM > 0 && DIM % 8 == 0) {
+        // The same two passes with 8-wide vectors (AVX2 + FMA CPUs): pass 1 reads each K
+        // row once for all `groups` heads; pass 2 runs one head at a time, so its DIM / 8
+        // accumulators stay in the 16 vector registers.
+        constexpr int C = DIM / 8;
+        for (int64_t j = 0; j < n; ++j) {
+            const T* k = key_row(kv, table, lo + j, block_size, block_stride, k_offset,
+                                 token_stride);
+            __m256 kr[C];
+            for (int c = 0; c < C; ++c) kr[c] = load8(k + 8 * c);
+            for (int64_t g = 0; g < groups; ++g) {
+                const float* qg = qf + g * DIM;
+                __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qg), kr[0]);
+                __m256 s1 = _mm256_setzero_ps();
+                for (int c = 1; c < C; ++c) {
+                    if (c & 1) s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kr[c], s1);
+                    else s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kr[c], s0);
+                }
+                scores[g * score_stride + j] = hsum8(_mm256_add_ps(s0, s1));
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            float* s = scores + g * score_stride;
+            float m = s[0];
+            for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+            const __m256 mv = _mm256_set1_ps(m);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                _mm256_storeu_ps(s + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            float tail = 0.f;
+            for (; j < n; ++j) { s[j] = std::exp(s[j] - m); tail += s[j]; }
+            const __m256 inv = _mm256_set1_ps(1.f / (hsum8(sum) + tail));
+            __m256 a[C];
+            for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; ++t) {
+                const T* v = key_row(kv, table, lo + t, block_size, block_stride, v_offset,
+                                     token_stride);
+                const __m256 p = _mm256_set1_ps(s[t]);
+                for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+            }
+            for (int c = 0; c < C; ++c)
+                _mm256_storeu_ps(acc + g * DIM + 8 * c, _mm256_mul_ps(a[c], inv));
+        }
+        for (int64_t i = 0; i < groups * DIM; ++i) from_float(acc[i], orow + i);
+        return;
+    }
 #endif
     for (int64_t j = 0; j < n; ++j) {
         const T* k = key_row(kv, table, lo + j, block_size, block_stride, k_offset, token_stride);

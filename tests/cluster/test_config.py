@@ -71,6 +71,12 @@ def test_environment_is_read_in_one_place(tmp_path: Path) -> None:
         (["tenants=[{name: a, api_keys: [k]}, {name: b, api_keys: [k]}]"], "tenants[1].api_keys"),
         (["pools.num_prefill=2", "topology.prefill=[{node: a, nvlink_domain: d}]"],
          "topology.prefill"),
+        (["tenants=[{name: a, api_keys: [k], max_tier_override: 4}]"],
+         "tenants[0].max_tier_override"),
+        (["router.host=0.0.0.0"], "router.host"),
+        (["tenants=[{name: a, api_keys_file: /nonexistent/keys}]"], "tenants[0].api_keys_file"),
+        (["tenants=[{name: a, api_keys_env: NO_SUCH_VAR}]"], "tenants[0].api_keys_env"),
+        (["router.max_body_bytes=10"], "router.max_body_bytes"),
     ],
 )
 def test_invalid_values_name_the_field(overrides: list[str], field: str) -> None:
@@ -132,3 +138,35 @@ def test_one_kv_budget_and_engine_limits_name_the_field(tmp_path) -> None:
                                  "pools.kv_cache_memory_fraction=0.001"])
     engine = build_engine(cfg, role="decode")
     assert engine.num_total_blocks > 0
+
+
+def test_open_access_and_where_keys_come_from(tmp_path: Path) -> None:
+    # Open access on loopback, said at start; on another address only when asked for.
+    assert "bound to 127.0.0.1 only" in load_config(environ={}).access_summary()
+    cfg = load_config(overrides=["router.host=0.0.0.0", "router.allow_open_access=true"],
+                      environ={})
+    assert not cfg.requires_api_key and cfg.access_summary().startswith("WARNING")
+    # Keys from a file and from the environment join the listed ones; the sources are read
+    # once (the tree that ships to the router holds the keys, not where they came from).
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nk-file-1\n\n  k-file-2  \n")
+    cfg = load_config(overrides=[
+        "router.host=0.0.0.0",
+        f"tenants=[{{name: a, api_keys: [k-listed], api_keys_file: {keys}}},"
+        " {name: b, tier: 2, api_keys_env: B_KEYS, may_override_tier: true,"
+        " max_tier_override: 1}]"], environ={"B_KEYS": "k-env-1, k-env-2 k-env-3"})
+    a, b = cfg.tenants
+    assert a.api_keys == ("k-listed", "k-file-1", "k-file-2")
+    assert b.api_keys == ("k-env-1", "k-env-2", "k-env-3") and b.max_tier_override == 1
+    assert a.api_keys_file is None and b.api_keys_env is None
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
+    assert "API key is required" in cfg.access_summary()
+    # No key is ever printed: not in a repr, not in an error.
+    assert "k-file-1" not in repr(cfg) and "k-env-1" not in repr(cfg)
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["tenants=[{name: a, api_keys: [k1]}, {name: b, api_keys: [k1]}]"],
+                    environ={})
+    assert "k1" not in str(e.value)
+    # A tree whose key sources were never read is refused, not served open.
+    with pytest.raises(ConfigError, match="not read"):
+        ClusterConfig.from_dict({"tenants": [{"name": "a", "api_keys_env": "B_KEYS"}]})

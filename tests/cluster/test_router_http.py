@@ -19,6 +19,9 @@ REPLY = "hello world. bye"
 
 
 class ByteTokenizer:
+    vocab_size = 256
+    max_token_bytes = 1
+
     def encode_prompt(self, text: str) -> list[int]:
         return list(text.encode())
 
@@ -37,6 +40,7 @@ class FakeBackend:
         self.aborted: list[str] = []
         self.reject = False
         self.hang = False
+        self.why_tenants: list[str | None] = []
 
     @property
     def model_name(self) -> str:
@@ -72,7 +76,8 @@ class FakeBackend:
     async def health(self) -> dict[str, Any]:
         return {"ok": True, "workers": 2}
 
-    async def why(self, req_id: str) -> dict[str, Any] | None:
+    async def why(self, req_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        self.why_tenants.append(tenant)
         return {"req_id": req_id, "text": "on time"} if req_id == "known" else None
 
     async def metrics(self) -> tuple[bytes, str]:

@@ -227,3 +227,70 @@ def test_disaggregated_prefill_then_decode_elsewhere(tiny_checkpoints, reference
     assert results == [references[family](p) for p in prompts]
     assert prefill.num_free_blocks == prefill.num_total_blocks
     assert decode.num_free_blocks == decode.num_total_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_attention_path_matches_generate(tiny_checkpoints, references, family) -> None:
+    """The CUDA path's attention (FlexAttention through the block tables of a layer-major
+    pool), run here in FlexAttention's eager reference mode: the same tokens, with prefix
+    hits, mixed decode/chunk steps, swap and recompute."""
+    engine = make_engine(tiny_checkpoints[family], attention="flex", prefill_chunk_size=16,
+                         max_num_batched_tokens=64)
+    assert engine.runner.uses_flex and not engine.pool.block_major
+    outputs = engine.generate(PROMPTS[:6], GREEDY)
+    assert outputs == [references[family](p) for p in PROMPTS[:6]]
+    prefixed = engine.generate(PREFIXED[:1], GREEDY) + engine.generate(PREFIXED[1:3], GREEDY)
+    assert prefixed == [references[family](p) for p in PREFIXED[:3]]
+    assert engine.num_prefix_hit_tokens > 0
+
+    def swap(engine: LLMEngine, ids: list[str]) -> list[StepOutput]:
+        assert engine.swap_out(ids[1]) and engine.preempt_recompute(ids[0])
+        meanwhile = engine.step()
+        assert engine.swap_in(ids[1])
+        return meanwhile
+
+    prompts = PROMPTS[6:9]
+    assert run_with_interruption(engine, prompts, swap) == [references[family](p)
+                                                            for p in prompts]
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.pool.check_integrity()
+
+
+def test_blocks_move_between_flex_and_paged_pools(tiny_checkpoints, references) -> None:
+    """A block-major (CPU) prefill feeds a layer-major (CUDA-path) decode: blocks travel in
+    the same block-major shape whatever the pools' order."""
+    prefill = make_engine(tiny_checkpoints["llama"])
+    decode = make_engine(tiny_checkpoints["llama"], attention="flex")
+    prompt = PROMPTS[5]
+    prefill.add_request("p", prompt, GREEDY, prefill_only=True)
+    first = None
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            if out.prefill_done:
+                first = out.new_token_ids[0]
+    reserved = decode.reserve("p", len(prompt), prompt_token_ids=prompt)
+    assert reserved is not None and first is not None
+    decode.pool.write_blocks(reserved, prefill.pool.read_blocks(prefill.block_ids("p")))
+    prefill.release("p")
+    decode.add_prefilled_request("p", prompt, first, GREEDY, reserved)
+    tokens = [first]
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == references["llama"](prompt)
+
+
+def test_decode_graph_buffers_give_the_same_tokens(tiny_checkpoints, references) -> None:
+    """The CUDA-graph runner's static buffers, padding (null block) and buckets, with the
+    forward called on the buffers instead of a replay (no GPU here; the captured graphs
+    are tested in test_gpu.py): the same tokens as generate."""
+    engine = make_engine(tiny_checkpoints["qwen2"], attention="flex")
+    engine.runner.enable_decode_graphs(max_batch=4, max_model_len=engine.max_model_len,
+                                       capture=False)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    prompts = PROMPTS[:3] + PROMPTS[10:13]  # 6 requests: steps of 6 run eagerly, then 3..1
+    outputs = engine.generate(prompts, GREEDY)
+    assert outputs == [references["qwen2"](p) for p in prompts]
+    assert graphs.num_runs > 0
+    assert engine.num_free_blocks == engine.num_total_blocks

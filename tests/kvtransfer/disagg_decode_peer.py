@@ -39,7 +39,7 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(**init["engine"]))
     consumer = KVConsumer(engine.pool, location=Location("node-0", "cpu"),
                           config=TransferConfig(stall_timeout_s=30.0), backend=DistBackend())
-    write_message(stdout, {"ready": True})
+    write_message(stdout, {"ready": True, "block_major": engine.pool.block_major})
     while True:
         try:
             cmd = read_message(stdin)

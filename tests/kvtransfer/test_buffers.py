@@ -1,4 +1,5 @@
-"""Pool runs and gathers, staging slabs, checksums, and the channel semantics the protocol
+"""Pool runs, gathers and (layer-major) scatters, staging slabs, checksums, and the channel
+semantics the protocol
 relies on (as the mock implements them): receives matched per tag in posting order, messages
 smaller than their receive, a message for a dropped receive and a timed-out wait breaking
 the pipe."""
@@ -36,8 +37,9 @@ def layout_of(dtype: torch.dtype = torch.float32) -> KVLayout:
                     device=torch.device("cpu"))
 
 
-def random_store(layout: KVLayout, num_blocks: int, seed: int) -> TensorKVStore:
-    store = TensorKVStore(layout, num_blocks)
+def random_store(layout: KVLayout, num_blocks: int, seed: int, *,
+                 layer_major: bool = False) -> TensorKVStore:
+    store = TensorKVStore(layout, num_blocks, layer_major=layer_major)
     gen = torch.Generator().manual_seed(seed)
     store.kv_tensor().copy_(torch.randn(store.kv_tensor().shape, generator=gen).to(layout.dtype))
     return store
@@ -77,6 +79,34 @@ def test_gather_copies_scattered_blocks_in_order(dtype):
     assert message.dtype == torch.uint8 and message.numel() == len(ids) * layout.bytes_per_block
     assert message.data_ptr() == slab.tensor.data_ptr()
     assert torch.equal(message, src.read_blocks(ids).view(torch.uint8).reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("ids", [[4, 5, 6], [3, 4, 5, 9, 1, 2, 15], [7]])
+def test_gather_from_a_layer_major_pool_is_the_wire_layout(dtype, ids):
+    layout = layout_of(dtype)
+    src = random_store(layout, 16, seed=4, layer_major=True)
+    slab = SlabPool(layout, 8).take()
+    message = PoolView(src).gather(ids, slab)
+    assert message.numel() == len(ids) * layout.bytes_per_block
+    assert message.data_ptr() == slab.tensor.data_ptr()
+    assert torch.equal(message, src.read_blocks(ids).view(torch.uint8).reshape(-1))
+    # the same bytes a block-major pool holding the same blocks sends
+    twin = TensorKVStore(layout, 16)
+    twin.kv_tensor().copy_(src.read_blocks(range(16)))
+    assert torch.equal(message, PoolView(twin).gather(ids, SlabPool(layout, 8).take()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_writes_a_slab_into_a_run_of_layer_major_slots_only(dtype):
+    layout = layout_of(dtype)
+    src = random_store(layout, 16, seed=5)
+    dst = TensorKVStore(layout, 12, layer_major=True)
+    slab = SlabPool(layout, 4).take()
+    PoolView(src).gather([9, 2, 14], slab)  # a block-major gather: the wire layout
+    PoolView(dst).scatter(slab, 6, 3)
+    assert torch.equal(dst.read_blocks([6, 7, 8]), src.read_blocks([9, 2, 14]))
+    assert not dst.read_blocks([0, 1, 2, 3, 4, 5, 9, 10, 11]).any()
 
 
 def test_slab_pool_reuses_a_given_slab():

@@ -4,7 +4,9 @@ decode side produces the same tokens as a single-process run.
 Prefill side (this process): an ``engine.LLMEngine`` with a small prefill chunk, a
 ``prefill_only`` request, each step's ``ready_block_ids`` pushed to a ``KVProducer`` while the
 next chunk computes. Decode side (``disagg_decode_peer.py``, its own process): reserves blocks
-(prefix hits reused), receives them through a ``KVConsumer`` and continues decoding.
+(prefix hits reused), receives them through a ``KVConsumer`` and continues decoding, with the
+paged attention of a block-major pool or the flex attention of a layer-major one (the CUDA
+path's, in FlexAttention's eager mode here), whose blocks kvtransfer stages.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class DecodePeer:
         self.proc = subprocess.Popen([sys.executable, str(PEER)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=str(REPO))
         self.send({"engine": engine_config})
-        assert self.recv(180)["ready"]
+        ready = self.recv(180)
+        assert ready["ready"]
+        self.block_major: bool = ready["block_major"]
 
     def send(self, msg: dict) -> None:
         body = msgpack.packb(msg)
@@ -92,6 +96,14 @@ def setup(tmp_path_factory):
     producer.close()
 
 
+@pytest.fixture(scope="module")
+def flex_peer(setup):
+    """A decode worker whose engine runs flex attention over a layer-major pool."""
+    peer = DecodePeer({**setup[0], "attention": "flex"})
+    yield peer
+    peer.close()
+
+
 def reference_tokens(config: dict, prompt: list[int]) -> list[int]:
     single = LLMEngine(EngineConfig(**config))
     return single.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
@@ -121,10 +133,17 @@ def disaggregated_tokens(prefill, producer, peer, req_id: str, prompt: list[int]
     return tokens, reply["cached"], num_pushes
 
 
-def test_decode_side_continues_from_streamed_kv_like_a_single_process(setup):
+@pytest.mark.parametrize("decode_attention", ["paged", "flex"])
+def test_decode_side_continues_from_streamed_kv_like_a_single_process(setup, flex_peer,
+                                                                      decode_attention):
     config, prefill, producer, peer = setup
-    prompt = [(7 * i + 3) % 200 + 1 for i in range(45)]  # 3 blocks: 16 + 16 + 13 tokens
-    tokens, cached, num_pushes = disaggregated_tokens(prefill, producer, peer, "d-1", prompt)
+    if decode_attention == "flex":
+        peer = flex_peer
+    assert peer.block_major is (decode_attention == "paged")
+    offset = 0 if decode_attention == "paged" else 5  # no prefix hit on the prefill side
+    prompt = [(7 * i + 3 + offset) % 200 + 1 for i in range(45)]  # 3 blocks: 16 + 16 + 13
+    tokens, cached, num_pushes = disaggregated_tokens(prefill, producer, peer,
+                                                      f"d-1-{decode_attention}", prompt)
     assert cached == 0 and num_pushes >= 3  # streamed chunk by chunk
     assert tokens == reference_tokens(config, prompt)
 

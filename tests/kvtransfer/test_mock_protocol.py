@@ -32,12 +32,13 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype=
 WAIT = 20.0
 
 
-def make_pair(config: TransferConfig | None = None, *, producer_loc=None, consumer_loc=None):
+def make_pair(config: TransferConfig | None = None, *, producer_loc=None, consumer_loc=None,
+              producer_layer_major: bool = False, consumer_layer_major: bool = False):
     hub = MockHub()
     cfg = config or TransferConfig(stall_timeout_s=1.5, start_timeout_s=2.5,
                                    part_bytes=2 * LAYOUT.bytes_per_block)
-    src = TensorKVStore(LAYOUT, 32, fill="random")
-    dst = TensorKVStore(LAYOUT, 32)
+    src = TensorKVStore(LAYOUT, 32, fill="random", layer_major=producer_layer_major)
+    dst = TensorKVStore(LAYOUT, 32, layer_major=consumer_layer_major)
     consumer = KVConsumer(dst, location=consumer_loc or Location("n0", "cpu"), config=cfg,
                           backend=MockBackend(hub))
     producer = KVProducer(src, location=producer_loc or Location("n0", "cpu"), config=cfg,
@@ -314,12 +315,17 @@ def test_consumer_abort_of_a_posted_transfer_ends_once_its_receives_are_released
     assert wait_terminal(consumer, "c2", WAIT).state is TransferState.DONE
 
 
+@pytest.mark.parametrize("layer_major", [False, True], ids=["block-major", "layer-major"])
 @pytest.mark.parametrize("pushed", [0, 1, 2, 3, 5])
-def test_every_posted_receive_gets_one_message_whenever_the_consumer_aborts(pushed):
+def test_every_posted_receive_gets_one_message_whenever_the_consumer_aborts(pushed, layer_major):
     """Segments sent, then the abort: the producer releases each receive not yet served (a
-    message for a dropped receive would break the mock's pipe), and the pair keeps working."""
-    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=LAYOUT.bytes_per_block)  # 1 per segment
-    src, dst, consumer, producer = make_pair(cfg)
+    message for a dropped receive would break the mock's pipe), and the pair keeps working.
+    Both sides layer-major: two slabs take the five segments in turn, and an empty release
+    landing in a slab that still holds an earlier segment scatters nothing."""
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=LAYOUT.bytes_per_block,  # 1 a segment
+                         max_in_flight_parts=2)
+    src, dst, consumer, producer = make_pair(cfg, producer_layer_major=layer_major,
+                                             consumer_layer_major=layer_major)
     try:
         producer.begin(consumer.expect("e1", [1, 2, 3, 4, 5]))
         time.sleep(0.05)
@@ -328,6 +334,7 @@ def test_every_posted_receive_gets_one_message_whenever_the_consumer_aborts(push
         state = wait_terminal(consumer, "e1", WAIT).state
         assert state is (TransferState.ABORTED if aborted else TransferState.DONE)
         assert wait_terminal(producer, "e1", WAIT).state.is_terminal
+        assert not dst.read_blocks(list(range(1 + pushed, 6))).any()  # never sent: untouched
         producer.begin(consumer.expect("e2", [6, 7]))
         producer.push("e2", [20, 21])
         assert wait_terminal(consumer, "e2", WAIT).state is TransferState.DONE
@@ -364,3 +371,65 @@ def test_a_request_id_can_come_back_right_after_its_transfer_ended(pair):
     assert wait_terminal(producer, "x", WAIT).state is TransferState.DONE
     assert wait_terminal(consumer, "x", WAIT).state is TransferState.DONE
     assert torch.equal(dst.read_blocks([5, 6, 7]), src.read_blocks([8, 9, 10]))
+
+
+# (producer, consumer) pool layouts, layer-major or not
+CROSS_LAYOUTS = [(False, True), (True, False), (True, True)]
+CROSS_IDS = ["block-to-layer", "layer-to-block", "layer-to-layer"]
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["posted", "announced"])
+@pytest.mark.parametrize(("producer_layer_major", "consumer_layer_major"), CROSS_LAYOUTS,
+                         ids=CROSS_IDS)
+def test_blocks_land_byte_identical_whatever_the_pool_layouts(producer_layer_major,
+                                                              consumer_layer_major, checksum):
+    """The wire layout is the same from and into either pool layout: runs and scattered
+    sources, runs and scattered slots, more segments than the consumer's staging window."""
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=3 * LAYOUT.bytes_per_block,
+                         max_in_flight_parts=2, checksum=checksum)
+    src, dst, consumer, producer = make_pair(cfg, producer_layer_major=producer_layer_major,
+                                             consumer_layer_major=consumer_layer_major)
+    try:
+        slots = [10, 11, 12, 13, 3, 8, 5, 6, 20, 21, 22]  # [10-12] [13] [3] [8] [5, 6] [20-22]
+        sources = [20, 21, 22, 23, 1, 2, 9, 7, 14, 16, 15]  # runs, scattered, reversed
+        producer.begin(consumer.expect("x1", slots, present=[5]))
+        producer.push("x1", sources[:6])
+        producer.push("x1", sources[6:])
+        assert wait_terminal(producer, "x1", WAIT).state is TransferState.DONE
+        assert wait_terminal(consumer, "x1", WAIT).state is TransferState.DONE
+        sent = [i for i in range(len(slots)) if i != 5]
+        assert torch.equal(dst.read_blocks([slots[i] for i in sent]),
+                           src.read_blocks([sources[i] for i in sent]))
+        untouched = [b for b in range(32) if b not in slots or b == 8]
+        assert not dst.read_blocks(untouched).any()
+        [stats] = consumer.drain_stats()
+        assert stats.num_bytes == 10 * LAYOUT.bytes_per_block
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.parametrize(("producer_layer_major", "consumer_layer_major"), CROSS_LAYOUTS,
+                         ids=CROSS_IDS)
+def test_a_cancel_mid_transfer_leaves_unsent_slots_alone_whatever_the_layouts(
+        producer_layer_major, consumer_layer_major):
+    cfg = TransferConfig(stall_timeout_s=2.0, part_bytes=LAYOUT.bytes_per_block,
+                         max_in_flight_parts=2)
+    src, dst, consumer, producer = make_pair(cfg, producer_layer_major=producer_layer_major,
+                                             consumer_layer_major=consumer_layer_major)
+    try:
+        producer.begin(consumer.expect("y1", [1, 2, 3, 4, 5, 6]))
+        producer.push("y1", [7, 8, 9])
+        assert _wait_done(consumer, "y1", 3)
+        assert producer.abort("y1")
+        status = wait_terminal(consumer, "y1", WAIT)
+        assert (status.state, status.failed_side) == (TransferState.ABORTED, Side.PRODUCER)
+        assert torch.equal(dst.read_blocks([1, 2, 3]), src.read_blocks([7, 8, 9]))
+        assert not dst.read_blocks([4, 5, 6]).any()
+        producer.begin(consumer.expect("y2", [4, 5, 6]))
+        producer.push("y2", [10, 11, 12])
+        assert wait_terminal(consumer, "y2", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks([4, 5, 6]), src.read_blocks([10, 11, 12]))
+    finally:
+        producer.close()
+        consumer.close()

@@ -1,4 +1,4 @@
-"""Metadata on the wire (msgpack only), the block-major layout, the segment plan, topology
+"""Metadata on the wire (msgpack only), the two pool layouts, the segment plan, topology
 classes, configuration."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 from kvtransfer import KVLayout, Location, TensorKVStore, TopologyClass, TransferConfig, wire
 from kvtransfer.buffers import Frame
+from kvtransfer.layout import check_pool, is_block_major
 from kvtransfer.plan import plan_segments, segment_blocks_for, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferState
 from kvtransfer.transfers import block_runs
@@ -79,6 +80,66 @@ def test_layout_is_block_major():
         KVLayout(0, 1, 1, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError):
         KVLayout(1, 1, 1, 1, torch.complex64, torch.device("cpu"))
+
+
+def test_layer_major_store_keeps_each_layer_of_every_block_in_one_sequence():
+    store = TensorKVStore(LAYOUT, 5, fill="random", layer_major=True)
+    kv = store.kv_tensor()
+    assert not store.block_major and not is_block_major(store)
+    assert tuple(kv.shape) == LAYOUT.pool_shape(5, block_major=False) == (2, 2, 5, 2, 1, 4)
+    assert kv[1, 0].is_contiguous()  # layer 1's K of every block
+    blocks = store.read_blocks([3, 1])
+    assert blocks.is_contiguous() and tuple(blocks.shape) == LAYOUT.group_shape(2)
+    assert torch.equal(blocks[0, 1, 0], kv[1, 0, 3]) and torch.equal(blocks[1, 0, 1], kv[0, 1, 1])
+    others = store.read_blocks([1, 2, 3])
+    data = torch.randn(LAYOUT.group_shape(2)).to(LAYOUT.dtype)
+    store.write_blocks([4, 0], data)
+    assert torch.equal(store.read_blocks([0, 4]), data[[1, 0]])
+    assert torch.equal(store.read_blocks([1, 2, 3]), others)
+    with pytest.raises(ValueError, match="shape"):
+        store.write_blocks([1], data)
+
+
+class _StoreBeforeTheFlag:
+    """A store written before ``block_major`` existed: only the tensor and its layout."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self._kv = kv
+
+    def kv_layout(self) -> KVLayout:
+        return LAYOUT
+
+    def kv_tensor(self) -> torch.Tensor:
+        return self._kv
+
+
+class _FlaggedStore(_StoreBeforeTheFlag):
+    def __init__(self, kv: torch.Tensor, block_major: object) -> None:
+        super().__init__(kv)
+        self.block_major = block_major
+
+
+def test_check_pool_takes_either_layout_as_the_store_says_and_refuses_anything_else():
+    block_major = torch.zeros(LAYOUT.pool_shape(6), dtype=LAYOUT.dtype)
+    layer_major = torch.zeros(LAYOUT.pool_shape(6, block_major=False), dtype=LAYOUT.dtype)
+    check_pool(TensorKVStore(LAYOUT, 3), LAYOUT)
+    check_pool(TensorKVStore(LAYOUT, 3, layer_major=True), LAYOUT)
+    check_pool(_StoreBeforeTheFlag(block_major), LAYOUT)  # no flag: block-major
+    check_pool(_FlaggedStore(layer_major, False), LAYOUT)
+    assert is_block_major(_StoreBeforeTheFlag(block_major))
+    refused = [
+        (_StoreBeforeTheFlag(layer_major), "block-major"),
+        (_FlaggedStore(block_major, False), r"layer-major \[2, 2, num_blocks, 2, 1, 4\]"),
+        (_FlaggedStore(torch.zeros(2, 2, 2, 6, 1, 4, dtype=LAYOUT.dtype).transpose(2, 3), False),
+         "not contiguous"),
+        (_FlaggedStore(layer_major.float(), False), "bfloat16"),
+        (_FlaggedStore(layer_major[0], False), "got"),
+    ]
+    for store, message in refused:
+        with pytest.raises(ValueError, match=message):
+            check_pool(store, LAYOUT)
+    with pytest.raises(ValueError, match="must be a bool"):
+        check_pool(_FlaggedStore(layer_major, "no"), LAYOUT)
 
 
 def test_segments_are_runs_of_consecutive_slots_capped_in_size():

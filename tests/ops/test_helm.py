@@ -14,9 +14,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig, ConfigError, load_config
 
 K8S_VERSION = "1.35.0"
+OPEN = ("--set", "config.router.allow_open_access=true")
+# What the 2-node values' extraEnv would bring from their Secret.
+SECRET_ENV = {"TIERSERVE_KEYS_CHAT": "k-chat", "TIERSERVE_KEYS_BATCH": "k-b1,k-b2",
+              "TIERSERVE_KEYS_METRICS": "k-metrics"}
 VALUES = Path(__file__).resolve().parents[2] / "helm" / "tierserve" / "values.yaml"
 
 
@@ -38,13 +42,13 @@ def rendered_config(docs: list[dict[str, Any]], tmp_path: Path) -> ClusterConfig
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")]
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
-    return load_config(path, environ={})
+    return load_config(path, environ=SECRET_ENV)
 
 
 @pytest.mark.parametrize("two_node", [False, True], ids=["defaults", "2node-gpu"])
 def test_lint_strict(chart, two_node: bool) -> None:
     args = ["lint", "--strict", str(chart.path)]
-    args += ["-f", str(chart.two_node_values)] if two_node else []
+    args += ["-f", str(chart.two_node_values)] if two_node else list(OPEN)
     out = chart.run(*args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 chart(s) failed" in out.stdout
@@ -71,6 +75,10 @@ def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> No
     cfg = rendered_config(docs, tmp_path)
     assert (cfg.pools.num_prefill, cfg.pools.num_decode) == (2, 2)
     assert cfg.model.served_name == "qwen2.5-7b"
+    # Keys come from the Secret through the environment, never from the values.
+    assert cfg.requires_api_key and [t.api_keys for t in cfg.tenants] == [
+        ("k-chat",), ("k-b1", "k-b2"), ("k-metrics",)]
+    assert "k-chat" not in json.dumps(docs)
     for g in groups:
         role, domain = g["groupName"].split("-", 1)
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 1
@@ -110,6 +118,9 @@ def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> No
     (sm,) = by_kind(docs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == port["name"]
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # Keys are required on /metrics: the scrape sends one from the Secret.
+    assert sm["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "tierserve-api-keys", "key": "metrics"}}
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"]["matchNames"] == ["llm"]
     # The dashboard ConfigMap carries the chart's dashboard file as is.
@@ -119,8 +130,21 @@ def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> No
         (chart.path / "dashboards" / "tierserve.json").read_text())
 
 
+def test_open_access_on_the_network_needs_an_explicit_value(chart) -> None:
+    # The defaults: host 0.0.0.0 and no tenant with a key. Refused, with what to do.
+    out = chart.run("template", "ts", str(chart.path))
+    assert out.returncode != 0
+    assert "config.router.host 0.0.0.0 with no API key" in out.stderr
+    assert "allow_open_access" in out.stderr
+    # Said explicitly, on loopback, or with a key: rendered.
+    for extra in (OPEN, ("--set", "config.router.host=127.0.0.1"),
+                  ("--set", "config.tenants[0].name=a", "--set",
+                   "config.tenants[0].api_keys_env=KEYS")):
+        assert chart.run("template", "ts", str(chart.path), *extra).returncode == 0, extra
+
+
 def test_defaults_render_one_prefill_and_one_decode_group(chart, tmp_path: Path) -> None:
-    docs = chart.render()
+    docs = chart.render(*OPEN)
     assert "ServiceMonitor" not in {d["kind"] for d in docs}
     (rs,) = by_kind(docs, "RayService")
     groups = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
@@ -133,7 +157,8 @@ def test_defaults_render_one_prefill_and_one_decode_group(chart, tmp_path: Path)
 def test_config_in_secret_and_fractional_cpus(chart, tmp_path: Path) -> None:
     values = tmp_path / "cpu-values.yaml"
     values.write_text("configInSecret: true\n"
-                      "config: {pools: {num_cpus_per_worker: 0.5, num_gpus_per_worker: 0}}\n")
+                      "config: {pools: {num_cpus_per_worker: 0.5, num_gpus_per_worker: 0},\n"
+                      "         tenants: [{name: a, api_keys: [k-a]}]}\n")
     docs = chart.render("-f", str(values))
     (secret,) = by_kind(docs, "Secret")
     validate_core(secret)
@@ -177,8 +202,11 @@ def test_values_mirror_the_config_tree() -> None:
     values = yaml.safe_load(VALUES.read_text())
     tree = values["config"]
     # Every section and field the chart names is one ClusterConfig has, and the chart's
-    # defaults are a valid configuration.
-    ClusterConfig.from_dict(tree)
+    # defaults are a valid configuration once open access is chosen (the loader refuses
+    # it on 0.0.0.0 as the chart does).
+    with pytest.raises(ConfigError, match="allow_open_access"):
+        ClusterConfig.from_dict(tree)
+    ClusterConfig.from_dict({**tree, "router": {**tree["router"], "allow_open_access": True}})
     for section, fields in tree.items():
         assert section in ClusterConfig.model_fields, section
         if isinstance(fields, dict):

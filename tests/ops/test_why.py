@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgpack
@@ -104,3 +105,24 @@ def test_rejected_request_and_unknown_ids() -> None:
 
 def test_ms_reads_at_a_glance() -> None:
     assert (ms(0.42), ms(1.25), ms(600.0)) == ("420 ms", "1.25 s", "10 min")
+
+
+def test_a_tenant_sees_its_own_requests_and_no_other_tenants_ids(scenario) -> None:
+    # X is tenant a's, Y tenant b's (issue 13: a chain named other tenants' request ids).
+    logs = {"X": dataclasses.replace(scenario.logs["X"], tenant="a"),
+            "Y": dataclasses.replace(scenario.logs["Y"], tenant="b")}
+    assert explain("X", logs, default_tiers(), viewer="b") is None
+    assert explain("Y", logs, default_tiers(), viewer="a") is None
+    mine = explain("X", logs, default_tiers(), viewer="a")
+    assert mine is not None and "Y" not in json.dumps(mine.to_dict())
+    assert "preempted a tier-3 request of another tenant (swap, 80 ms)" in mine.text
+    pre = next(s for s in mine.steps if s.kind is StepKind.PREEMPTED_OTHER)
+    assert pre.other_req_id is None
+    victim = explain("Y", logs, default_tiers(), viewer="b")
+    assert "request X" not in victim.text
+    assert all(s.other_req_id is None for s in victim.steps)
+    assert "was preempted for a tier-0 request of another tenant" in victim.text
+    # No viewer (open access, the operator's CLI): every id, as before.
+    assert "tier-3 request Y" in explain("X", logs, default_tiers()).text
+    same = {"X": logs["X"], "Y": dataclasses.replace(logs["Y"], tenant="a")}
+    assert "tier-3 request Y" in explain("X", same, default_tiers(), viewer="a").text

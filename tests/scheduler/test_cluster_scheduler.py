@@ -2,14 +2,25 @@
 
 No clock and no I/O: every test builds the object, drives it with explicit times and
 checks the plans it returns (tier order, dispatch horizon, shedding order, preemption
-for a more urgent tier, conditional disaggregation, dead workers)."""
+for a more urgent tier, conditional disaggregation, dead workers, a restarted scheduler
+adopting what the workers hold)."""
 
 from __future__ import annotations
 
 from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, PoolMode
-from scheduler.messages import ReqEvent, RunningReq, SubmitOutcome, WorkerEvent, WorkerReport
+from scheduler.messages import (
+    GenerationSpec,
+    HeldRequest,
+    HeldStage,
+    ReqEvent,
+    RunningReq,
+    SamplingSpec,
+    SubmitOutcome,
+    WorkerEvent,
+    WorkerReport,
+)
 from scheduler.preemption import PreemptMode
-from scheduler.request import RequestState
+from scheduler.request import Decision, RequestState
 from scheduler.testing import make_costs, make_request
 from scheduler.tiers import TierConfig, TierSpec
 from scheduler.topology import WorkerInfo, WorkerRole
@@ -282,3 +293,67 @@ def test_first_tokens_feed_the_fair_share_controller() -> None:
     _finish_one(cs, "a", 0, 0.0, num_out=20)
     assert cs.policy.tails.p99_ratio(0) == 0.1 / 1.0  # TTFT 0.1 s against 1 s
     assert cs.policy.ledger.total_served[0] == 50 + 19  # the prompt, then 19 output tokens
+
+
+def test_a_dead_prefill_worker_leaves_its_requests_to_their_decode_worker() -> None:
+    cs = make_cluster()
+    submit(cs, "a", 1, 50, now=0.0)
+    submit(cs, "b", 1, 50, now=0.0)
+    dispatch_all(cs, 0.0)
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("a", WorkerEvent.PREFILL_DONE, 0.2),)), 0.2)
+    cs.on_report(WorkerReport("d0", 250, 256, events=(
+        ReqEvent("a", WorkerEvent.DECODE_START, 0.25),)), 0.25)
+    # Whether b's KV arrived only d0 knows: nothing ends here, d0 is asked about b.
+    assert cs.remove_worker("p0", 1.0) == []
+    assert cs.waiting_on("p0") == {"d0": ["b"]}
+    assert cs.get("a").state is RequestState.DECODING
+    cs.abort("b", 1.1, Decision.WORKER_FAILED, "worker:p0", error="worker_failed")
+    plan = cs.plan(1.1)
+    assert [(a.req_id, a.worker_ids, a.error) for a in plan.aborts] == [
+        ("b", ("d0",), "worker_failed")]
+    assert cs.get("a") is not None and cs.get("b") is None
+
+
+def _held(rid: str, stage: HeldStage, *, blocks: int = 4, out: int = 3, tier: int = 1,
+          prefill: str | None = None, router: str = "r1") -> HeldRequest:
+    spec = GenerationSpec(rid, tuple(range(40)), SamplingSpec(16, 0.0), tier, "t", 0.0,
+                          router_id=router)
+    return HeldRequest(spec, stage, blocks, out, prefill, 0.5 if out else None)
+
+
+def test_a_restarted_scheduler_adopts_what_a_decode_worker_holds() -> None:
+    cs = make_cluster()
+    assert cs.adopt("d0", _held("dec", HeldStage.DECODING))
+    assert cs.adopt("d0", _held("swp", HeldStage.SWAPPED))
+    assert cs.adopt("d0", _held("rcv", HeldStage.RECEIVING, out=0, prefill="p0"))
+    assert not cs.adopt("d0", _held("dec", HeldStage.DECODING))  # already live
+    assert not cs.adopt("p0", _held("x", HeldStage.DECODING))  # not a decode worker
+    assert cs.get("dec").state is RequestState.DECODING
+    assert cs.get("swp").state is RequestState.PREEMPTED
+    assert cs.get("rcv").state is RequestState.PREFILLING
+    assert cs.waiting_on("p0") == {"d0": ["rcv"]}
+    assert cs.workers["d0"].held == {"dec": 4, "swp": 4, "rcv": 4}
+    # The adopted requests go on through the state machine as if never interrupted.
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("rcv", WorkerEvent.PREFILL_DONE, 1.0),)), 1.0)
+    cs.on_report(WorkerReport("d0", 200, 256, events=(
+        ReqEvent("rcv", WorkerEvent.DECODE_START, 1.1),
+        ReqEvent("swp", WorkerEvent.RESUMED_SWAP, 1.1),
+        ReqEvent("dec", WorkerEvent.FINISHED_STOP, 1.2))), 1.2)
+    assert cs.get("dec") is None
+    assert cs.get("rcv").state is RequestState.DECODING
+    assert cs.get("swp").state is RequestState.DECODING
+
+
+def test_adopted_requests_their_router_does_not_claim_are_ended() -> None:
+    cs = make_cluster()
+    cs.adopt("d0", _held("mine", HeldStage.DECODING))
+    cs.adopt("d0", _held("gone", HeldStage.DECODING))
+    cs.adopt("d0", _held("other", HeldStage.DECODING, router="r2"))
+    assert cs.drop_unclaimed("r1", ["mine", "never-seen"], 2.0) == ["gone"]
+    plan = cs.plan(2.0)
+    assert [(a.req_id, a.worker_ids, a.error) for a in plan.aborts] == [("gone", ("d0",), None)]
+    # Claimed once, a request is its router's again: a later claim does not end it.
+    assert cs.drop_unclaimed("r1", [], 3.0) == []
+    assert cs.get("mine") is not None and cs.get("other") is not None

@@ -171,3 +171,21 @@ One worker group. Called with (dict "root" $ "role" "prefill"|"decode" "domain" 
       volumes:
         {{- include "tierserve.volumes" $root | nindent 8 }}
 {{- end -}}
+
+{{/*
+Open access (no tenant with an API key) on an address other than loopback renders only
+when config.router.allow_open_access says so: the chart's default host, 0.0.0.0, is the
+cluster network. The config loader refuses the same tree (cluster/config.py).
+*/}}
+{{- define "tierserve.checkAccess" -}}
+{{- $router := .Values.config.router -}}
+{{- $keyed := false -}}
+{{- range (.Values.config.tenants | default list) -}}
+{{- if or .api_keys .api_keys_file .api_keys_env -}}{{- $keyed = true -}}{{- end -}}
+{{- end -}}
+{{- $host := toString $router.host -}}
+{{- $loopback := or (eq $host "localhost") (eq $host "::1") (hasPrefix "127." $host) -}}
+{{- if and (not $keyed) (not $loopback) (not $router.allow_open_access) -}}
+{{- fail (printf "config.router.host %s with no API key in config.tenants would serve anyone on the network: give a tenant api_keys, api_keys_file or api_keys_env (e.g. from a Secret through extraEnv), or set config.router.allow_open_access=true to serve without keys" $host) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,124 @@
+"""Least privilege on the KV-transfer rendezvous (issue 13 item 8): the store listens only
+on the address the endpoint advertises, and a consumer opens a pair only with a producer
+that holds one of its tickets (the ticket's secret, proven by an HMAC in the Hello)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from cluster.testing import wait_until
+from kvtransfer import (
+    DistBackend,
+    KVConsumer,
+    KVLayout,
+    KVProducer,
+    Location,
+    MockBackend,
+    MockHub,
+    TensorKVStore,
+    TransferConfig,
+    TransferState,
+    auth,
+    wire,
+)
+from kvtransfer.testing import wait_terminal
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32,
+                  device=torch.device("cpu"))
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_the_store_listens_on_the_advertised_address_only() -> None:
+    backend = DistBackend()
+    address = backend.listen("127.0.0.1")
+    try:
+        assert _connects("127.0.0.1", address["port"])
+        # Another address of this machine (still loopback, so the test stays on it): a
+        # server bound to every interface would accept here too (TCPStore's default).
+        assert not _connects("127.0.0.2", address["port"])
+    finally:
+        backend.shutdown()
+
+
+def make_pair(connect_timeout_s: float = 1.0, hub: MockHub | None = None
+              ) -> tuple[TensorKVStore, KVConsumer, KVProducer]:
+    hub = hub or MockHub()
+    cfg = TransferConfig(stall_timeout_s=5.0, start_timeout_s=5.0,
+                         connect_timeout_s=connect_timeout_s)
+    dst = TensorKVStore(LAYOUT, 16)
+    consumer = KVConsumer(dst, location=Location("n0", "cpu"), config=cfg,
+                          backend=MockBackend(hub))
+    producer = KVProducer(TensorKVStore(LAYOUT, 16, fill="random"),
+                          location=Location("n0", "cpu"), config=cfg, backend=MockBackend(hub))
+    return dst, consumer, producer
+
+
+def test_a_producer_without_the_secret_is_refused() -> None:
+    _, consumer, producer = make_pair()
+    try:
+        ticket = consumer.expect("r", [1, 2])
+        forged = {**ticket, "consumer": {**ticket["consumer"], "secret": "guessed"}}
+        producer.begin(forged)
+        producer.push("r", [3, 4])
+        status = wait_terminal(producer, "r", 20.0)
+        assert status.state is TransferState.FAILED
+        assert consumer.num_refused_pairs == 1 and consumer.peers() == []
+        # Nothing was received into the reservation: it is still waiting for its producer.
+        assert consumer.poll("r").state is TransferState.PENDING
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_the_real_ticket_opens_the_pair_and_a_replayed_hello_is_refused() -> None:
+    hub = MockHub()
+    dst, consumer, producer = make_pair(connect_timeout_s=10.0, hub=hub)
+    try:
+        ticket = consumer.expect("r", [1, 2])
+        producer.begin(ticket)
+        producer.push("r", [3, 4])
+        assert wait_terminal(consumer, "r", 20.0).state is TransferState.DONE
+        assert consumer.num_refused_pairs == 0 and consumer.peers() == [producer.endpoint_id]
+        # A Hello seen once (a valid proof for its pair) is refused the second time.
+        secret = ticket["consumer"]["secret"]
+        hello = wire.encode(wire.Hello("p-x-1", "p-x", {}, {}, {},
+                                       auth.pair_proof(secret, "p-x-1", "p-x")))
+        queue = MockBackend(hub).open_queue(ticket["consumer"]["server"], 5.0)
+        queue.push(wire.ACCEPT_KEY, hello)
+        queue.push(wire.ACCEPT_KEY, hello)
+        assert wait_until(lambda: consumer.num_refused_pairs == 1, 10.0)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_ticket_without_secret_is_refused_by_the_producer() -> None:
+    _, consumer, producer = make_pair()
+    try:
+        ticket = consumer.expect("r", [1])
+        consumer_part = {k: v for k, v in ticket["consumer"].items() if k != "secret"}
+        with pytest.raises(ValueError, match="secret"):
+            producer.begin({**ticket, "consumer": consumer_part})
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_proofs_bind_the_pair_and_the_producer() -> None:
+    proof = auth.pair_proof("s", "pair-1", "p-1")
+    assert auth.is_valid_proof("s", "pair-1", "p-1", proof)
+    assert not auth.is_valid_proof("s", "pair-2", "p-1", proof)
+    assert not auth.is_valid_proof("s", "pair-1", "p-2", proof)
+    assert not auth.is_valid_proof("t", "pair-1", "p-1", proof)
+    hello = wire.Hello("pair-1", "p-1", {}, {}, {}, proof)
+    assert wire.decode(wire.encode(hello)) == hello
