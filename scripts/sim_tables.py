@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Markdown tables from `tierserve simulate --json` output, for the results pages.
 
-Usage: scripts/sim_tables.py RESULT.json [RESULT.json ...]
+Usage: scripts/sim_tables.py RESULT.json [RESULT.json ...] [--plot OUT.png]
 
 Prints, for each file: the SLO capacity per policy (mean +- std over seeds, range,
 per seed), the peers' tuning (each setting's capacity on the tuning seed, the winner in
 bold) and the load curves (goodput and attainment per tier, mean over seeds with the
-range of tier 0). Reads JSON only; every figure it prints is in the file.
+range of tier 0). With several files (runs of one setup split over commands), also the
+SLO capacities of all of them in one table, each against the best peer's. ``--plot``
+draws tier-0 attainment and goodput against load for the runs of all the files
+(:func:`scheduler.sim.plots.plot_load_curves`). Reads JSON only; every figure it prints
+is in the files.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 
 def _f(x: float | None, nd: int = 2) -> str:
@@ -79,14 +84,56 @@ def _att(rs: list[dict], tier: str, key: str = "attainment") -> float | None:
     return None if m is None else 100 * m
 
 
-def main(paths: list[str]) -> int:
-    for path in paths:
+def combined(results: list[dict]) -> list[str]:
+    """The SLO capacities of several files in one table; tierserve's and each policy's
+    ratio to the best peer's (the peer with the highest mean)."""
+    spread: dict[str, dict] = {}
+    for res in results:
+        spread.update(res.get("slo_capacity_spread", {}))
+    peers = {k: v for k, v in spread.items() if not k.startswith("tierserve")}
+    if not spread or not peers:
+        return []
+    best_label, best = max(peers.items(), key=lambda kv: kv[1]["mean"])
+    out = [f"best peer: `{best_label}` ({best['mean']:.3g})", "",
+           "| policy | SLO capacity (mean +- std) | seeds | / best peer |", "|---|---|---|---|"]
+    for label, s in sorted(spread.items(), key=lambda kv: -kv[1]["mean"]):
+        ratio = s["mean"] / best["mean"] if best["mean"] > 0 else float("nan")
+        out.append(f"| `{label}` | {s['mean']:.2f} +- {s['std']:.2f} | {s['n']} | "
+                   f"{ratio:.2f}x |")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    plot = None
+    if "--plot" in argv:
+        i = argv.index("--plot")
+        plot = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    results = []
+    for path in argv:
         with open(path) as f:
             res = json.load(f)
+        results.append(res)
         print(f"## {path}\n")
         for block in (capacity(res), tuning(res), curves(res)):
             if block:
                 print("\n".join(block) + "\n")
+    if len(results) > 1:
+        block = combined(results)
+        if block:
+            print("## all files\n\n" + "\n".join(block) + "\n")
+    if plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from scheduler.sim.plots import plot_load_curves
+
+        runs = [r for res in results for r in res.get("runs", [])]
+        spread: dict[str, dict] = {}
+        for res in results:
+            spread.update(res.get("slo_capacity_spread", {}))
+        setup = results[0].get("setup", {}) if results else {}
+        plot_load_curves(runs, plot, spread,
+                         title=f"{Path(str(setup.get('trace', ''))).name}, "
+                               f"{setup.get('cluster', '')}, seeds {setup.get('seeds', '')}")
     return 0
 
 
