@@ -4,7 +4,8 @@ Each switch changes exactly the decision it names: admission off accepts a flood
 admission on turns away; the dispatch horizon off sends every request to a worker at
 once; the step budget off plans vLLM's token-budget step; preemption modes off recompute
 every victim; topology pricing off prices victims by memory over progress; placement off
-takes the least loaded workers; reuse-aware eviction off protects no prefix blocks. Specs
+takes the least loaded workers; reuse-aware eviction off protects no prefix blocks;
+slack ordering off (``ordering=tier``) runs tiers in strict order. Specs
 parse with their settings and refuse unknown keys and bad values by name."""
 
 from __future__ import annotations
@@ -132,3 +133,15 @@ def test_specs_parse_split_and_refuse_bad_settings_by_name() -> None:
                       ("tierserve:ordering=random", "random")):
         with pytest.raises(PolicySpecError, match=word):
             check_policy(bad)
+
+
+def test_tier_ordering_serves_a_fresh_tier_1_before_a_tier_2_about_to_miss() -> None:
+    """Slack ordering runs the tier-2 request due at 30 s (its end-to-end target) ahead of
+    a tier-1 one with until 31.5 s for its first token; strict tier order (the ablation)
+    runs tier 1 first whatever its slack."""
+    late = make_request("late", tier=2, arrival=0.0, prompt=100)
+    fresh = make_request("fresh", tier=1, arrival=29.5, prompt=100)
+    on = make_policy("tierserve", CTX).order([fresh, late], 29.5)
+    off = make_policy("tierserve:ordering=tier", CTX).order([late, fresh], 29.5)
+    assert [r.req_id for r in on] == ["late", "fresh"]
+    assert [r.req_id for r in off] == ["fresh", "late"]
