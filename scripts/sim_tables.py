@@ -6,7 +6,7 @@ Usage: scripts/sim_tables.py RESULT.json [RESULT.json ...] [--plot OUT.png]
 Prints, for each file: the SLO capacity per policy (mean +- std over seeds, range,
 per seed), the peers' tuning (each setting's capacity on the tuning seed, the winner in
 bold) and the load curves (goodput and attainment per tier, mean over seeds with the
-range of tier 0). With several files (runs of one setup split over commands), also the
+range of tier 0, preemptions and requests turned away, mean over seeds). With several files (runs of one setup split over commands), also the
 SLO capacities of all of them in one table, each against the best peer's. ``--plot``
 draws tier-0 attainment and goodput against load for the runs of all the files
 (:func:`scheduler.sim.plots.plot_load_curves`). Reads JSON only; every figure it prints
@@ -64,13 +64,17 @@ def curves(res: dict) -> list[str]:
     for r in runs:
         by[(r["policy"], r["load"])].append(r)
     out = ["| policy | load | goodput req/s | tier 0 (min-max) | tier 1 | tier 2 | tier 3 | "
-           "tier-0 feasible | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+           "tier-0 feasible | preemptions | turned away | seeds |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (label, load), rs in by.items():
         t0 = [100 * (r["tiers"]["0"]["attainment"] or 0) for r in rs]
         out.append(f"| `{label}` | {load:g} | {_f(_mean([r['goodput_rps'] for r in rs]))} | "
                    f"{_f(_att(rs, '0'), 1)} ({min(t0):.1f}-{max(t0):.1f}) | "
                    f"{_f(_att(rs, '1'), 1)} | {_f(_att(rs, '2'), 1)} | {_f(_att(rs, '3'), 1)} | "
-                   f"{_f(_att(rs, '0', 'attainment_feasible'), 1)} | {len(rs)} |")
+                   f"{_f(_att(rs, '0', 'attainment_feasible'), 1)} | "
+                   f"{_f(_mean([r['preemptions'] for r in rs]), 0)} | "
+                   f"{_f(_mean([sum(t['rejected'] for t in r['tiers'].values()) for r in rs]), 0)}"
+                   f" | {len(rs)} |")
     return out
 
 
