@@ -78,6 +78,7 @@ def test_aggregated_and_auto_modes_run_every_request_to_the_end(mode: PoolMode,
     assert run["mode"] == mode.value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prior_scale, profile_prior", [(3.0, True), (0.3, True), (1.0, False)])
 def test_learned_step_costs_converge_to_the_profiles_step_times(prior_scale: float,
                                                                 profile_prior: bool) -> None:
