@@ -187,7 +187,8 @@ class TiersConfig(_Frozen):
 
 
 class SchedulingConfig(_Frozen):
-    # A name from the scheduler's policy registry ("tierserve", "vllm-fcfs", ...).
+    # A name from the scheduler's policy registry ("tierserve", "vllm-fcfs", ...), with
+    # its settings if any ("tierserve:ordering=wfq"; scheduler/policy_spec.py).
     policy: str = "tierserve"
     # How often the global scheduler runs its deadline watcher and fair-share update.
     control_interval_s: float = Field(0.1, gt=0)
@@ -199,14 +200,12 @@ class SchedulingConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> SchedulingConfig:
-        from scheduler.ordering import ORDERING_POLICIES
-        from scheduler.policies import POLICY_NAMES
+        from scheduler.policies import check_policy
 
-        base, _, ordering = self.policy.partition(":")
-        if base not in POLICY_NAMES or (ordering and (base != "tierserve"
-                                                      or ordering not in ORDERING_POLICIES)):
-            raise ValueError(f"policy: unknown policy {self.policy!r}; valid: "
-                             f"{', '.join(POLICY_NAMES)} (or tierserve:<ordering>)")
+        try:
+            check_policy(self.policy)
+        except ValueError as e:
+            raise ValueError(f"policy: {e}") from None
         return self
 
 

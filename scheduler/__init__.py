@@ -45,10 +45,12 @@ worker's step loop, the simulator) applies it. Public API, by module:
 - ``scheduler.invariants``: ``check_kv_budget``, ``check_transitions``,
   ``check_shares``, ``check_anti_thrash``, ``check_starvation`` -> lists of
   ``Violation(invariant, detail)``; ``count_by_invariant``.
-- ``scheduler.policy`` / ``scheduler.policies``: ``make_policy(name,
+- ``scheduler.policy`` / ``scheduler.policies``: ``make_policy(spec,
   PolicyContext(tiers, est, costs, block_size))`` builds a ``SchedulingPolicy``
-  by name: ``tierserve`` (or ``tierserve:<ordering>``), ``vllm-fcfs``,
-  ``vllm-priority``, ``sglang-lpm``, ``dynamo-priority``. Its methods are the
+  from a spec ``NAME[:key=value,...]`` (``scheduler.policy_spec``): ``tierserve``
+  (settings: its ordering and one switch per mechanism, ``TierserveSettings``),
+  and the peers of ``scheduler.peers`` with their engines' flags: ``vllm-fcfs``,
+  ``vllm-priority``, ``sglang-lpm``, ``sglang-fcfs``, ``dynamo-priority``. Its methods are the
   decisions a cluster asks for: ``admit``, ``place_prefill``, ``order`` /
   ``make_queue``, ``prefill_step_tokens``/``prefill_step_seconds`` (step
   budget), ``place_decode``, ``preempt_for``, ``on_kv_pressure``, ``tick``
@@ -60,6 +62,8 @@ worker's step loop, the simulator) applies it. Public API, by module:
   model: ``Simulator(trace, policy_name, cluster, CostModel(profile), tiers,
   mode=PoolMode..., max_tokens=...).run()``,
   ``metrics.summarize(sim, load)``, trace readers in ``sim.traces``, cluster
-  specs in ``sim.cluster``, profiles in ``sim.costmodel``; the CLI is
-  ``tierserve simulate`` (module ``scheduler.sim.cli``). Results: RESULTS.md.
+  specs in ``sim.cluster``, profiles in ``sim.costmodel``, SLO capacity in
+  ``sim.capacity`` and ``sim.slo``, the peers' tuning grids in ``sim.tuning``; the CLI
+  is ``tierserve simulate`` (module ``scheduler.sim.cli``). Results:
+  docs/scheduler-results.md.
 """

@@ -48,7 +48,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
     p.add_argument("--policy", default="tierserve",
-                   help=f"policy: {', '.join(POLICY_NAMES)} or tierserve:<ordering>")
+                   help=f"policy: {', '.join(POLICY_NAMES)}, with settings as NAME:key=value,...")
     p.add_argument("--running", type=int, default=256, help="decoding requests (default 256)")
     p.add_argument("--waiting", type=int, default=4096, help="queued requests (default 4096)")
     p.add_argument("--steps", type=int, default=2000, help="timed steps (default 2000)")
@@ -187,7 +187,7 @@ def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
         nr = NewRequest(f"m{k}", tr.tier, now, tr.prompt_len, 2048,
                         _block_hashes(tr.hashes, tr.prompt_len, bs))
         for w in prefill:  # some queued prefill work on each, as in a busy cluster
-            cs.workers[w.worker_id].prefill_left = {"_": rng.randint(0, 20_000)}
+            cs.workers[w.worker_id].prefill_left.put("_", rng.randint(1, 20_000), 3)
         c0 = time.thread_time()
         t0 = time.perf_counter()
         cs.submit(nr, now)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
+from scheduler.backlog import PrefillBook
 from scheduler.links import LinkModel
 from scheduler.messages import (
     RETRYABLE_ERRORS,
@@ -185,8 +186,8 @@ class WorkerSlot:
     is_alive: bool = True
     # Decode side: request -> blocks it holds (or is promised) here.
     held: dict[str, int] = field(default_factory=dict)
-    # Prefill side: request -> prompt tokens still to compute here.
-    prefill_left: dict[str, int] = field(default_factory=dict)
+    # Prefill side: request -> prompt tokens still to compute here (with sums per tier).
+    prefill_left: PrefillBook = field(default_factory=lambda: PrefillBook(1, 1))
     # Blocks promised by dispatches whose answer is not in yet.
     num_promised: int = 0
     # Preemptions ordered here whose event is not in yet: request -> blocks they free.
@@ -218,17 +219,11 @@ class WorkerSlot:
         return self.num_free_blocks - self.num_promised
 
     def backlog_s(self) -> float:
-        left = sum(self.prefill_left.values())
-        return self.costs.prefill_s(left, 0) if left else 0.0
+        return self.prefill_left.backlog_s(self.costs)
 
-    def backlog_by_tier(self, tier_of: dict[str, int], num_tiers: int) -> tuple[float, ...]:
+    def backlog_by_tier(self) -> tuple[float, ...]:
         """Queued prefill work (s) here per tier: what runs before a request of each tier."""
-        out = [0.0] * num_tiers
-        for rid, left in self.prefill_left.items():
-            t = tier_of.get(rid)
-            if t is not None and left > 0:
-                out[t] += self.costs.prefill_s(left, 0)
-        return tuple(out)
+        return self.prefill_left.by_tier_s(self.costs)
 
 
 @dataclass(slots=True)
@@ -282,24 +277,55 @@ class OutputLengths:
 
 class ClusterEstimate:
     """ServiceEstimate over the live workers' fitted step costs (prefill: the workers
-    that prefill; decode: those that decode)."""
+    that prefill; decode: those that decode): the mean of their predictions."""
 
     def __init__(self, sched: ClusterScheduler, prior: StepCosts) -> None:
         self._sched = sched
         self._prior = prior
+        # The workers each estimate averages over, by role (prefill: True), and the mean
+        # of the prefill workers' coefficients: rebuilt when a worker joins or leaves or
+        # reports new step costs (``invalidate``), not on every prediction.
+        self._by_role: dict[bool, list[StepCosts]] = {}
+        self._mean: tuple[float, ...] | None = None
+        self._decode_token_s: float | None = None
+
+    def invalidate(self) -> None:
+        """The live workers or their fitted step costs changed."""
+        self._by_role = {}
+        self._mean = None
+        self._decode_token_s = None
 
     def _pick(self, prefill: bool) -> list[StepCosts]:
-        out = [w.costs for w in self._sched.workers.values()
-               if w.is_alive and (w.can_prefill if prefill else w.can_decode)]
-        return out or [self._prior]
+        out = self._by_role.get(prefill)
+        if out is None:
+            out = [w.costs for w in self._sched.workers.values()
+                   if w.is_alive and (w.can_prefill if prefill else w.can_decode)]
+            out = self._by_role[prefill] = out or [self._prior]
+        return out
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The prefill workers' mean coefficients. Each prediction is linear in its
+        coefficients (and every worker's StepCosts chunks alike, the cluster's
+        ``chunk_tokens``), so the mean prediction is the prediction with these."""
+        m = self._mean
+        if m is None:
+            coefs = [c.coefficients for c in self._pick(True)]
+            k = len(coefs)
+            m = self._mean = tuple(sum(c[i] for c in coefs) / k for i in range(3))
+        return m
 
     def prefill_s(self, num_new_tokens: int, num_context_tokens: int) -> float:
-        cs = self._pick(True)
-        return sum(c.prefill_s(num_new_tokens, num_context_tokens) for c in cs) / len(cs)
+        m = self.coefficients
+        n = max(num_new_tokens, 0)
+        steps = max(1, -(-n // self._prior.chunk_tokens))
+        return steps * m[0] + n * m[1] + m[2] * n * (num_context_tokens + n / 2)
 
     def decode_token_s(self) -> float:
-        cs = self._pick(False)
-        return sum(c.decode_token_s() for c in cs) / len(cs)
+        if self._decode_token_s is None:
+            cs = self._pick(False)
+            self._decode_token_s = sum(c.decode_token_s() for c in cs) / len(cs)
+        return self._decode_token_s
 
 
 class ClusterScheduler:
@@ -339,6 +365,10 @@ class ClusterScheduler:
         self._preempts: list[PreemptOrder] = []
         self._last_tick = float("-inf")
         self._early_aborts: dict[str, float] = {}
+        self._backlogs: dict[str, tuple[float, tuple[float, ...]]] = {}
+        # The prompts waiting in ``queue``, with their work and blocks per tier (admission
+        # reads them on every arrival).
+        self._queued = PrefillBook(tiers.num_tiers, chunk_tokens, block_size)
         self.num_preemptions = 0
 
     def new_costs(self) -> StepCosts:
@@ -348,8 +378,10 @@ class ClusterScheduler:
 
     def add_worker(self, info: WorkerInfo, num_free_blocks: int, *, can_prefill: bool,
                    can_decode: bool) -> WorkerSlot:
-        slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks)
+        slot = WorkerSlot(info, can_prefill, can_decode, self.new_costs(), num_free_blocks,
+                          prefill_left=PrefillBook(self.tiers.num_tiers, self.chunk_tokens))
         self.workers[info.worker_id] = slot
+        self.est.invalidate()
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -363,6 +395,7 @@ class ClusterScheduler:
         if w is None or not w.is_alive:
             return []
         w.is_alive = False
+        self.est.invalidate()
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
@@ -418,7 +451,8 @@ class ClusterScheduler:
                                         num_blocks=held.num_blocks)
         w.held[spec.req_id] = held.num_blocks
         if held.stage is HeldStage.PREFILLING and held.num_prefill_left > 0:
-            w.prefill_left[spec.req_id] = held.num_prefill_left
+            w.prefill_left.put(spec.req_id, held.num_prefill_left, spec.tier)
+        self.est.invalidate()  # the worker's backlog changed
         return True
 
     def drop_unclaimed(self, router_id: str, claimed: Iterable[str], now: float) -> list[str]:
@@ -465,7 +499,7 @@ class ClusterScheduler:
                              f"holds {largest}")
         if now < self._shed_until[nr.tier]:
             return self._reject(req, now, "shed", self._shed_until[nr.tier] - now)
-        decision = self.policy.admit(req, now, self._load())
+        decision = self.policy.admit(req, now, self._load(full=self.policy.reads_load))
         if decision.kind is AdmissionKind.REJECT:
             retry = decision.retry_after_s or 1.0
             until = now + min(retry, SHED_WINDOW_S)
@@ -474,8 +508,12 @@ class ClusterScheduler:
             return self._reject(req, now, decision.reason.value, retry)
         self.policy.record_demand(req.tier, req.prompt_len + self.outputs.expected(req), now)
         self.live[req.req_id] = _Entry(req, nr.router_id)
-        self.queue.push(req, now)
+        self._enqueue(req, now)
         return Admission(SubmitOutcome.ACCEPTED)
+
+    def _enqueue(self, req: Request, now: float) -> None:
+        self.queue.push(req, now)
+        self._queued.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
 
     def _reject(self, req: Request, now: float, reason: str, retry_s: float) -> Admission:
         rec = transition(req, S.REJECTED, decision=D.REJECT,
@@ -515,6 +553,9 @@ class ClusterScheduler:
             self._last_tick = now
             self.policy.tick(now, self.queue.requests())
         dispatches: list[DispatchOrder] = []
+        # Each worker's queued prefill work, computed once per plan (a dispatch to the
+        # worker recomputes it), not once per request offered.
+        self._backlogs = {}
         if len(self.queue):
             blocked: dict[int, int] = {}  # tier -> smallest need that found no room
 
@@ -523,6 +564,7 @@ class ClusterScheduler:
                 if order is None:
                     return Verdict.SKIP if self.policy.skips_blocked else Verdict.STOP
                 dispatches.append(order)
+                self._queued.pop(req.req_id)
                 return Verdict.TAKE
 
             if self.on_pick is None:
@@ -547,9 +589,17 @@ class ClusterScheduler:
             self._end(req.req_id, now, D.ERROR, "placement:no_worker",
                       error="no live prefill or decode worker")
             return None
-        matches = self.mirror.match_lens(req.block_hashes,
-                                         [w.worker_id for w in self.workers.values()
-                                          if w.is_alive])
+        horizon = self.policy.dispatch_horizon_s(req)
+        if horizon is not None:
+            sites = remote if self.mode is PoolMode.DISAGGREGATED else [*remote, *decode]
+            if all(self._backlog(w)[0] > horizon for w in sites):
+                # Every worker that could prefill it holds its horizon of work already: it
+                # waits here, and orders no preemption for decode memory it cannot use yet.
+                return None
+        matches = (self.mirror.match_lens(req.block_hashes,
+                                          [w.worker_id for w in self.workers.values()
+                                           if w.is_alive])
+                   if req.block_hashes else {})
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
             # prefix hits among the workers the policy's decode placement accepts.
@@ -575,11 +625,11 @@ class ClusterScheduler:
             dslot = self.workers[choice.view.info.worker_id]
             prefill_slot = self._choose_prefill_site(req, dslot, self.workers[pv.info.worker_id],
                                                      matches)
-        horizon = self.policy.dispatch_horizon_s(req)
         target = prefill_slot or dslot
-        if horizon is not None and target.backlog_s() > horizon:
+        if horizon is not None and self._backlog(target)[0] > horizon:
             return None
-        target.prefill_left[req.req_id] = max(req.num_context_tokens, 1)
+        target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
+        self._backlogs.pop(target.worker_id, None)
         dslot.held[req.req_id] = need
         dslot.num_promised += need
         entry = self.live[req.req_id]
@@ -597,10 +647,16 @@ class ClusterScheduler:
                              prefill_slot.worker_id if prefill_slot is not None else None,
                              need, cls)
 
+    def _backlog(self, w: WorkerSlot) -> tuple[float, tuple[float, ...]]:
+        """``w``'s queued prefill work, in all and per tier (kept for the plan)."""
+        got = self._backlogs.get(w.worker_id)
+        if got is None:
+            got = self._backlogs[w.worker_id] = (w.backlog_s(), w.backlog_by_tier())
+        return got
+
     def _pview(self, w: WorkerSlot, matches: dict[str, int]) -> PrefillView:
-        tier_of = {rid: self.live[rid].req.tier for rid in w.prefill_left if rid in self.live}
-        return PrefillView(w.info, w.backlog_s(), matches.get(w.worker_id, 0),
-                           w.backlog_by_tier(tier_of, self.tiers.num_tiers))
+        got = self._backlog(w)
+        return PrefillView(w.info, got[0], matches.get(w.worker_id, 0), got[1])
 
     def _dview(self, w: WorkerSlot) -> DecodeView:
         return DecodeView(w.info, w.free_blocks, len(w.held))
@@ -778,10 +834,10 @@ class ClusterScheduler:
             return
         # Refused (a stale view of its free blocks, or the worker is going away): requeue.
         for w in self.workers.values():
-            w.prefill_left.pop(req_id, None)
+            w.prefill_left.pop(req_id)
             w.held.pop(req_id, None)
         req.prefill_worker_id = req.decode_worker_id = None
-        self.queue.push(req, now)
+        self._enqueue(req, now)
 
     def on_report(self, rep: WorkerReport, now: float) -> None:
         w = self.workers.get(rep.worker_id)
@@ -790,6 +846,7 @@ class ClusterScheduler:
         w.num_free_blocks = rep.num_free_blocks
         if rep.step_costs:
             w.costs.load_tuple(rep.step_costs)
+            self.est.invalidate()
         if rep.memory is not None:
             w.memory = rep.memory
             self._learn_links(w, rep.memory)
@@ -798,12 +855,13 @@ class ClusterScheduler:
         for ev in rep.events:
             self._on_event(w, ev, now)
         # Running requests as the worker holds them (dispatches in flight keep theirs).
-        seen = {r.req_id for r in rep.running}
-        for book in (w.prefill_left, w.held, w.shared):
-            for rid in [rid for rid in book if rid not in seen]:
-                e = self.live.get(rid)
-                if e is None or not (e.is_dispatching or e.migrate_to == w.worker_id):
-                    del book[rid]  # the worker no longer holds it
+        if rep.is_complete:
+            seen = {r.req_id for r in rep.running}
+            for book in (w.prefill_left, w.held, w.shared):
+                for rid in [rid for rid in book if rid not in seen]:
+                    e = self.live.get(rid)
+                    if e is None or not (e.is_dispatching or e.migrate_to == w.worker_id):
+                        book.pop(rid)  # the worker no longer holds it
         for r in rep.running:
             e = self.live.get(r.req_id)
             if e is None:
@@ -823,10 +881,7 @@ class ClusterScheduler:
                     e.req.num_output_tokens = r.num_output_tokens
                     self.policy.record_served(e.req.tier, grew, grew * self.est.decode_token_s(),
                                               now)
-            if r.num_prefill_left > 0:
-                w.prefill_left[r.req_id] = r.num_prefill_left
-            else:
-                w.prefill_left.pop(r.req_id, None)
+            w.prefill_left.put(r.req_id, r.num_prefill_left, e.req.tier)
 
     def _learn_links(self, w: WorkerSlot, mem: KVMemoryReport) -> None:
         """The moves ``w`` timed refine the link model the victims are priced with."""
@@ -858,7 +913,7 @@ class ClusterScheduler:
         req = e.req
         if kind is WorkerEvent.PREFILL_DONE:
             for slot in self.workers.values():
-                slot.prefill_left.pop(rid, None)
+                slot.prefill_left.pop(rid)
             if req.first_token_time is None:
                 req.first_token_time = ev.time
                 self._served_first_token(req, ev.time)
@@ -985,6 +1040,7 @@ class ClusterScheduler:
         if e is None:
             return
         self.queue.remove(rid)
+        self._queued.pop(rid)
         holders = tuple(w for w in {e.req.prefill_worker_id, e.req.decode_worker_id,
                                     e.migrate_to}
                         if w is not None and w != skip_worker
@@ -1013,8 +1069,9 @@ class ClusterScheduler:
         if e is None:
             return
         self.queue.remove(rid)
+        self._queued.pop(rid)
         for w in self.workers.values():
-            w.prefill_left.pop(rid, None)
+            w.prefill_left.pop(rid)
             w.preempting.pop(rid, None)
             w.shared.pop(rid, None)
             if rid in w.held:
@@ -1032,21 +1089,25 @@ class ClusterScheduler:
         e = self.live.get(req_id)
         return "" if e is None else e.router_id
 
-    def _load(self) -> LoadSnapshot:
+    def _load(self, *, full: bool = True) -> LoadSnapshot:
+        """What admission reads; without ``full`` only whether there is room now (the
+        per-tier backlog and decode memory stay empty, for policies that never read them)."""
         n = self.tiers.num_tiers
-        backlog = [0.0] * n
-        queued = [0] * n
+        if not full:
+            prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
+                          else [w for w in self.workers.values() if w.is_alive])
+            decode = self._decode_slots()
+            room = (any(w.free_blocks > 0 for w in decode)
+                    and any(not w.prefill_left for w in prefillers) and not len(self.queue))
+            return LoadSnapshot([0.0] * n, max(len(prefillers), 1), room, block_size=self.block_size)
         est = self.est
-        for req in self.queue.requests():
-            backlog[req.tier] += est.prefill_s(max(req.num_context_tokens, 1), 0)
-            queued[req.tier] += -(-(req.num_context_tokens + 1) // self.block_size)
+        backlog = list(self._queued.by_tier_s(est))
+        queued = list(self._queued.blocks_by_tier())
         prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
                       else [w for w in self.workers.values() if w.is_alive])
         for w in prefillers:
-            for rid, left in w.prefill_left.items():
-                e = self.live.get(rid)
-                if e is not None and left > 0:
-                    backlog[e.req.tier] += w.costs.prefill_s(left, 0)
+            for t, s in enumerate(w.backlog_by_tier()):
+                backlog[t] += s
         held = [0] * n
         pairs = []
         decode = self._decode_slots()

@@ -569,6 +569,10 @@ class WorkerReport:
     # The worker's fitted step cost model (scheduler.step_costs.StepCosts.to_tuple()).
     step_costs: tuple[float, ...] = ()
     num_steps: int = 0
+    # ``running`` lists every request the worker holds (the scheduler forgets the ones it
+    # leaves out); False: only those whose figures changed since the last report (the
+    # others, and the requests events ended, stand as they were).
+    is_complete: bool = True
     # The worker has requests its steps must advance (the scheduler's stall watch: busy
     # and ``num_steps`` not moving for a bound means hung).
     is_busy: bool = False

@@ -2,7 +2,7 @@
 
 A policy turns a snapshot (the requests waiting on one queue, the time) into an
 order; the caller runs requests in that order until its step budget is full,
-so a request placed last never blocks one placed before it. Three policies:
+so a request placed last never blocks one placed before it. Four policies:
 
 - ``utility`` (the design notes): U = max(0, 1 - elapsed/D) x weight(tier) x
   state_penalty (running 1.0, preempted 0.6, evicted 0.3), highest first. U
@@ -20,6 +20,8 @@ so a request placed last never blocks one placed before it. Three policies:
   these keys depends on ``now``, so a worker keeps them in heaps
   (:class:`scheduler.queues.SlackQueue`); only the feasible/hopeless split
   moves with time.
+- ``tier``: strict priority, tier then arrival (the peers' priority queues; the
+  ablation of ``slack``).
 - ``wfq``: weighted fair queueing across tiers with dynamic weights. A tier's
   weight is its share divided by its SLO headroom ratio r = (remaining SLO time /
   predicted remaining work) of its most urgent request, so a tier closing on its
@@ -67,6 +69,7 @@ class OrderingKind(enum.Enum):
     UTILITY = "utility"
     SLACK = "slack"
     WFQ = "wfq"
+    TIER = "tier"
 
 
 class UnknownPolicy(ValueError):
@@ -266,10 +269,22 @@ class WfqPolicy(OrderingPolicy):
         return out
 
 
+class TierPolicy(OrderingPolicy):
+    """Strict priority: tier, then arrival (what vLLM's and SGLang's priority queues do);
+    the ablation of the slack ordering."""
+
+    kind = OrderingKind.TIER
+    deficit_first = False
+
+    def _order(self, reqs: list[Request], now: float) -> list[Request]:
+        return sorted(reqs, key=lambda r: (r.tier, r.arrival_time))
+
+
 ORDERING_POLICIES: dict[str, type[OrderingPolicy]] = {
     OrderingKind.UTILITY.value: UtilityPolicy,
     OrderingKind.SLACK.value: SlackPolicy,
     OrderingKind.WFQ.value: WfqPolicy,
+    OrderingKind.TIER.value: TierPolicy,
 }
 DEFAULT_ORDERING = OrderingKind.SLACK.value
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from scheduler.admission import (
     AdmissionController,
@@ -85,7 +86,14 @@ class SchedulingPolicy:
     """Defaults: accept everything, least-loaded placement, arrival order, no preemption."""
 
     name = "base"
+    # The frozen dataclass of settings the policy takes (``NAME:key=value``,
+    # scheduler.policy_spec); None: none. Its constructor takes (ctx, settings).
+    settings_cls: ClassVar[type | None] = None
     respects_anti_thrash = True
+    # Whether ``admit`` reads the load snapshot's backlog and decode memory (building them
+    # walks every queued and running request; a policy that only asks whether there is
+    # room now gets a snapshot without them).
+    reads_load = False
     # Whether every selection keeps the tier order (DESIGN §5: a hopeless request is never
     # ordered behind a less urgent tier's feasible work; scheduler.invariants.check_tier_order).
     keeps_tier_order = False
@@ -183,28 +191,73 @@ class SchedulingPolicy:
         return ()
 
 
+@dataclass(frozen=True, slots=True)
+class TierserveSettings:
+    """tierserve's mechanisms, each on by default; turning one off is an ablation (what
+    that mechanism is worth, measured with the rest in place)."""
+
+    # Ordering of every queue: slack (default), utility, wfq, or tier (strict priority:
+    # the ablation of the slack ordering).
+    ordering: str = DEFAULT_ORDERING
+    # Steps sized to the tiers' targets (a prefill step within a quarter of the tightest
+    # TTFT, the decode batch within the tightest TPOT); off: the engine's token budget
+    # (vLLM's step).
+    step_budget: bool = True
+    # Feasibility admission and tier shedding; off: accept everything.
+    admission: bool = True
+    # Prefill by prefix hit and the work of as-urgent tiers ahead, decode in the prefill
+    # worker's NVLink domain with per-tier headroom; off: least queued prefill, most free
+    # decode blocks.
+    placement: bool = True
+    # Lower tiers wait in the cluster's queue beyond a few steps of queued work per
+    # worker; off: every request goes to a worker at once.
+    dispatch_horizon: bool = True
+    # Victims restored by the cheapest of swap and recompute (migrate where a peer is
+    # known); off: always recompute.
+    preempt_modes: bool = True
+    # Victims priced by tier weight x restore cost (topology); off: the design notes'
+    # memory / progress score.
+    topology_pricing: bool = True
+    # Prefix blocks of waiting tier-0/1 requests are kept out of cache eviction; off:
+    # plain LRU.
+    reuse_eviction: bool = True
+
+    def __post_init__(self) -> None:
+        from scheduler.ordering import ORDERING_POLICIES
+
+        if self.ordering not in ORDERING_POLICIES:
+            raise ValueError(f"ordering {self.ordering!r}: valid: "
+                             f"{', '.join(sorted(ORDERING_POLICIES))}")
+
+
 class TierservePolicy(SchedulingPolicy):
     """SLO tiers end to end: feasibility admission, prefix+load placement, slack (or
     the configured) ordering with fair-share deficits, domain-aware decode
-    placement, conditional preemption priced by topology and restore cost."""
+    placement, conditional preemption priced by topology and restore cost. Each
+    mechanism can be turned off (:class:`TierserveSettings`)."""
 
     name = "tierserve"
+    settings_cls = TierserveSettings
     # Admit while the predicted milestone is within this fraction past the target: a
     # request that waits much longer misses anyway and only takes capacity from others.
     ADMISSION_TOLERANCE = 0.25
 
-    def __init__(self, ctx: PolicyContext, ordering: str = DEFAULT_ORDERING,
-                 scorer: VictimScorer = VictimScorer.TOPOLOGY,
+    def __init__(self, ctx: PolicyContext, settings: TierserveSettings | None = None, *,
                  decode_headroom: float = 0.05) -> None:
         super().__init__(ctx)
+        self.settings = s = settings or TierserveSettings()
         self.watcher = DeadlineWatcher(ctx.tiers)
-        self.ordering: OrderingPolicy = make_ordering(ordering, ctx.tiers, ctx.est, self.watcher)
+        self.ordering: OrderingPolicy = make_ordering(s.ordering, ctx.tiers, ctx.est,
+                                                      self.watcher)
         self.admission = AdmissionController(ctx.tiers, ctx.est, tolerance=self.ADMISSION_TOLERANCE)
         self.fair = FairShareController(ctx.tiers)
         self.ledger = ShareLedger(ctx.tiers.num_tiers)
         self.tails = TailTracker(ctx.tiers.num_tiers)
-        self.scorer = scorer
+        self.scorer = VictimScorer.TOPOLOGY if s.topology_pricing else VictimScorer.DESIGN_NOTES
+        self.modes = (frozenset(PreemptMode) if s.preempt_modes
+                      else frozenset({PreemptMode.RECOMPUTE}))
         self.decode_headroom = decode_headroom
+        self.reads_load = s.admission
         ttfts = [t.ttft_s for t in ctx.tiers.tiers if t.ttft_s is not None]
         tightest = min(ttfts) if ttfts else min(t.deadline_s for t in ctx.tiers.tiers)
         tokens = self.tiers.anti_thrash_s / max(ctx.est.decode_token_s(), 1e-6)
@@ -217,9 +270,13 @@ class TierservePolicy(SchedulingPolicy):
         self._slo_step_tokens = self._step_tokens_within(self._slo_step_s)
 
     def admit(self, req: Request, now: float, load: LoadSnapshot) -> AdmissionDecision:
+        if not self.settings.admission:
+            return super().admit(req, now, load)
         return self.admission.decide(req, now, load)
 
     def place_prefill(self, req: Request, views: Sequence[PrefillView]) -> PrefillView | None:
+        if not self.settings.placement:
+            return super().place_prefill(req, views)
         # Slack ordering runs tiers roughly in order, so only the work of this and
         # more urgent tiers is ahead of the request.
         ahead = req.tier + 1 if isinstance(self.ordering, SlackPolicy) else None
@@ -243,11 +300,13 @@ class TierservePolicy(SchedulingPolicy):
     DISPATCH_HORIZON_STEPS = 4
 
     def dispatch_horizon_s(self, req: Request) -> float | None:
-        if req.tier == 0:
+        if req.tier == 0 or not self.settings.dispatch_horizon:
             return None  # the most urgent tier never waits for a dispatch
         return self.DISPATCH_HORIZON_STEPS * self._slo_step_s
 
     def compose_step(self, view: StepView) -> StepPlan:
+        if not self.settings.step_budget:
+            return compose_budget_step(view, self)
         fixed = view.costs.coefficients[0]
         cap = max(self._slo_step_s, 2 * fixed, view.costs.prefill_s(MIN_CHUNK_TOKENS, 0))
         return compose_slo_step(view, self, step_cap_s=cap, tpot_by_tier=self._tpots,
@@ -278,6 +337,11 @@ class TierservePolicy(SchedulingPolicy):
 
     def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
                      prefill: WorkerInfo) -> DecodeChoice | None:
+        if not self.settings.placement:
+            fits = [v for v in views if v.num_free_blocks >= need_blocks]
+            best = max(fits, key=lambda v: v.num_free_blocks, default=None)
+            return (None if best is None
+                    else choose_decode(need_blocks, [best], prefill, self.ctx.costs, 0.0))
         # Lower tiers leave headroom so decode growth of running requests and
         # higher-tier arrivals rarely force a preemption.
         # Running requests keep room to grow for one anti-thrash window, so growth
@@ -289,11 +353,15 @@ class TierservePolicy(SchedulingPolicy):
                     + (v.num_running * self._growth_blocks if req.tier else 0)]
         return choose_decode(need_blocks, views_ok, prefill, self.ctx.costs, min_headroom=0.1)
 
+    def _victims(self, need_blocks: int, candidates: Sequence[VictimView], now: float,
+                 requester_tier: int) -> PreemptionPlan:
+        return choose_victims(need_blocks, candidates, requester_tier=requester_tier, now=now,
+                              tiers=self.tiers, costs=self.ctx.costs, est=self.ctx.est,
+                              scorer=self.scorer, modes=self.modes)
+
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
                     candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
-        plan = choose_victims(max(need_blocks - free_blocks, 0), candidates,
-                              requester_tier=req.tier, now=now, tiers=self.tiers,
-                              costs=self.ctx.costs, est=self.ctx.est, scorer=self.scorer)
+        plan = self._victims(max(need_blocks - free_blocks, 0), candidates, now, req.tier)
         threshold = self.tiers[req.tier].preempt_threshold
         if not plan.victims or not should_preempt_now(need_blocks, free_blocks, plan.num_freed,
                                                       threshold):
@@ -305,9 +373,7 @@ class TierservePolicy(SchedulingPolicy):
         # Only tiers after the most urgent grower's: evicting a more urgent request so a
         # less urgent one can grow would invert the tiers. Same-tier growth that finds no
         # victim falls back to the caller's stall or recompute of the last in order.
-        return choose_victims(need_blocks, candidates, requester_tier=requester_tier, now=now,
-                              tiers=self.tiers, costs=self.ctx.costs, est=self.ctx.est,
-                              scorer=self.scorer)
+        return self._victims(need_blocks, candidates, now, requester_tier)
 
     def tick(self, now: float, waiting: Iterable[Request]) -> None:
         if isinstance(self.ordering, WfqPolicy):  # only WFQ reads the boost marks
@@ -330,6 +396,8 @@ class TierservePolicy(SchedulingPolicy):
         self.tails.observe(tier, latency_s, target_s)
 
     def protected_hashes(self, waiting: Iterable[Request]) -> Collection[int]:
+        if not self.settings.reuse_eviction:
+            return ()
         out: set[int] = set()
         for r in waiting:
             if r.tier <= 1:

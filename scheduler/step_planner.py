@@ -150,6 +150,12 @@ def decode_tokens(lr: LocalRequest, num_steps: int) -> int:
 def _growth(decodes: Sequence[LocalRequest], bs: int, num_steps: int) -> dict[str, int]:
     """Decodes whose next tokens start new blocks, and how many blocks each needs."""
     out: dict[str, int] = {}
+    if num_steps == 1:  # one token each (the common case, kept cheap: it runs every step)
+        for d in decodes:
+            need = (d.num_computed + bs) // bs - d.num_blocks
+            if need > 0:
+                out[d.req.req_id] = need
+        return out
     for d in decodes:
         need = -(-(d.num_computed + decode_tokens(d, num_steps)) // bs) - d.num_blocks
         if need > 0:
@@ -241,16 +247,18 @@ def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) ->
 
 def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base: StepShape,
                  free_blocks: int, room: int, first_min: int, *,
-                 uncapped: Callable[[Request], float | None] | None = None
-                 ) -> list[tuple[str, int]]:
+                 uncapped: Callable[[Request], float | None] | None = None,
+                 chunk_cap: int | None = None) -> list[tuple[str, int]]:
     """Prefill chunks in queue (policy) order within the budgets. ``uncapped(req)``: a
     looser time budget for that request's chunk (None: only the token budget), for the
-    most urgent tier, whose prompt need not wait behind its own chunking."""
+    most urgent tier, whose prompt need not wait behind its own chunking. ``chunk_cap``:
+    most tokens one request gets in the step (default the worker's chunk)."""
     chunks: list[tuple[str, int]] = []
     left = [token_budget, free_blocks, room]
     shape = [base]
     costs = view.costs
     bs = view.block_size
+    cap = view.chunk_tokens if chunk_cap is None else chunk_cap
 
     def accept(req: Request) -> Verdict:
         if left[0] <= 0:
@@ -262,7 +270,7 @@ def _take_chunks(view: StepView, token_budget: int, seconds: float | None, base:
             if need > left[1] or left[2] <= 0:
                 return Verdict.SKIP
         limit_s = seconds
-        take = min(lr.num_prefill_left, left[0], view.chunk_tokens)
+        take = min(lr.num_prefill_left, left[0], cap)
         if uncapped is not None and req.tier == 0 and not chunks:
             limit_s = uncapped(req)
             take = min(lr.num_prefill_left, left[0])
@@ -313,9 +321,13 @@ def _predicted_s(view: StepView, first: StepShape, decodes: Sequence[LocalReques
 
 
 def compose_budget_step(view: StepView, policy: SchedulingPolicy,
-                        token_budget: int | None = None) -> StepPlan:
+                        token_budget: int | None = None, chunk_cap: int | None = None
+                        ) -> StepPlan:
     """vLLM v1's step: every running decode, then prefill chunks in queue order within
-    ``max_num_batched_tokens`` (started prefills first: the peers' queues key on it)."""
+    ``token_budget`` (``max_num_batched_tokens``; default the worker's), each at most
+    ``chunk_cap`` tokens (``long_prefill_token_threshold``; default the worker's chunk).
+    Started prefills come first: the peers' queues key on it, as vLLM schedules its
+    running requests before its waiting ones."""
     budget = token_budget or view.max_num_batched_tokens
     decodes, victims, free = _pressure(view, list(view.decoding), policy)
     if decodes:
@@ -326,7 +338,8 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
     room = view.max_num_seqs - len(decodes)
     swap, free = _swap_ins(view, free, policy, room)
     room -= len(swap)
-    chunks = _take_chunks(view, budget, None, _shape(decodes), free, room, budget)
+    chunks = _take_chunks(view, budget, None, _shape(decodes), free, room, budget,
+                          chunk_cap=chunk_cap)
     plan_shape = _shape(decodes)
     for rid, n in chunks:
         c = view.local[rid].num_computed
@@ -626,11 +639,12 @@ class WorkerScheduler:
             if decodes_here:
                 self.decoding[rid] = lr
         contexts = []
+        multi = self.num_decode_steps > 1
         for rid in plan.decodes:
             lr = self.local.get(rid)
             if lr is None or rid in refused_set:
                 continue
-            n = decode_tokens(lr, self.num_decode_steps)
+            n = decode_tokens(lr, self.num_decode_steps) if multi else 1
             contexts.append(lr.num_computed + 1)
             lr.num_computed += n
             lr.num_target = lr.num_computed

@@ -4,7 +4,9 @@
 workers are laid out interleaved (p0, d0, p1, d1, ...) so each prefill worker
 has a decode worker in its own domain when counts allow; ``gpus_per_node``
 devices per node, split evenly into ``domains_per_node`` NVLink domains.
-``kv_blocks`` overrides the profile's KV blocks per worker. ``host_cache_gb`` gives
+``kv_blocks`` overrides the profile's KV blocks per worker, ``decode_kv_blocks`` those of
+the decode workers alone (a decode pool whose memory, not prefill, runs short: each
+decode worker then holds a few dozen requests). ``host_cache_gb`` gives
 each prefill worker a prefix cache tier in host DRAM (as Mooncake's store or
 LMCache do) on top of its HBM; hits are then charged a host-to-device copy.
 """
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from scheduler.topology import WorkerInfo, WorkerRole
 
 DEFAULT_CLUSTER = "prefill=2,decode=2,gpus_per_node=4,domains_per_node=2"
-_KEYS = ("prefill", "decode", "gpus_per_node", "domains_per_node", "kv_blocks", "host_cache_gb")
+_KEYS = ("prefill", "decode", "gpus_per_node", "domains_per_node", "kv_blocks", "decode_kv_blocks",
+         "host_cache_gb")
 
 
 class ClusterSpecError(ValueError):
@@ -32,7 +35,7 @@ class ClusterSpec:
 
 def parse_cluster(text: str, default_kv_blocks: int) -> ClusterSpec:
     vals = {"prefill": 2, "decode": 2, "gpus_per_node": 8, "domains_per_node": 1,
-            "kv_blocks": default_kv_blocks, "host_cache_gb": 0}
+            "kv_blocks": default_kv_blocks, "decode_kv_blocks": 0, "host_cache_gb": 0}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, raw = part.partition("=")
         key = key.strip()
@@ -42,7 +45,7 @@ def parse_cluster(text: str, default_kv_blocks: int) -> ClusterSpec:
             vals[key] = int(raw)
         except ValueError:
             raise ClusterSpecError(f"cluster.{key}: {raw!r} is not an integer") from None
-        if vals[key] < 0 or (vals[key] == 0 and key != "host_cache_gb"):
+        if vals[key] < 0 or (vals[key] == 0 and key not in ("host_cache_gb", "decode_kv_blocks")):
             raise ClusterSpecError(f"cluster.{key}: must be positive, got {vals[key]}")
     if vals["gpus_per_node"] % vals["domains_per_node"]:
         raise ClusterSpecError("cluster.domains_per_node: must divide gpus_per_node")
@@ -60,7 +63,8 @@ def parse_cluster(text: str, default_kv_blocks: int) -> ClusterSpec:
         info = WorkerInfo(
             worker_id=f"{role.value[0]}{i}", role=role, node=f"node{node}",
             device=f"node{node}/cuda:{local}", domain=f"node{node}/nvl{local // per_domain}",
-            num_kv_blocks=vals["kv_blocks"],
+            num_kv_blocks=(vals["decode_kv_blocks"] or vals["kv_blocks"])
+            if role is WorkerRole.DECODE else vals["kv_blocks"],
         )
         (pre if role is WorkerRole.PREFILL else dec).append(info)
     return ClusterSpec(tuple(pre), tuple(dec), vals["host_cache_gb"])

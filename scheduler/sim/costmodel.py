@@ -19,14 +19,17 @@ cluster would make from measured figures).
 
 The simulator's workers take their step times from here, but the kernel never reads
 them directly: each worker's :class:`scheduler.step_costs.StepCosts` learns from the
-times of the steps it ran, seeded with :meth:`CostModel.step_prior` (the same linear
-model, exact for a prefill-only step and for a memory-bound decode step).
+times of the steps it ran, seeded with the hardware class's generic prior
+(:meth:`CostModel.generic_prior`, as an uncalibrated live worker) or, on request, with
+:meth:`CostModel.step_prior` (the same linear model, exact for a prefill-only step and
+for a memory-bound decode step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.step_costs import CPU_PRIOR, GPU_PRIOR
 from scheduler.topology import LinkCosts, TopologyClass
 
 
@@ -51,6 +54,7 @@ class Profile:
     host_bw: float
     prefill_chunk_tokens: int
     max_batch: int
+    is_gpu: bool = True  # which generic step-cost prior an uncalibrated worker starts from
 
 
 GB = 1e9
@@ -128,6 +132,7 @@ CPU_SMOLLM2 = Profile(
     host_bw=5 * GB,
     prefill_chunk_tokens=256,
     max_batch=32,
+    is_gpu=False,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (H200_LLAMA3_8B, CPU_SMOLLM2)}
@@ -183,6 +188,10 @@ class CostModel:
         comp = (prefill_flops + self._dense * num_decodes) / self._flops_rate
         fixed = max(p.prefill_overhead_s, p.decode_overhead_s) if prefill_flops else p.decode_overhead_s
         return fixed + max(mem, comp)
+
+    def generic_prior(self) -> tuple[float, ...]:
+        """What a worker of this hardware class that was never calibrated starts from."""
+        return GPU_PRIOR if self.profile.is_gpu else CPU_PRIOR
 
     def step_prior(self, prefill_only: bool) -> tuple[float, float, float, float, float]:
         """StepCosts coefficients (fixed, per prefill token, per prefill attention unit,

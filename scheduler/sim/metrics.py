@@ -28,6 +28,7 @@ from scheduler.invariants import (
 from scheduler.request import RequestState
 from scheduler.sim.belady import belady_hits
 from scheduler.sim.simulator import Simulator
+from scheduler.sim.slo import is_feasible, met_slo
 
 STARVATION_FLOOR = 0.8
 
@@ -54,7 +55,7 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
         p["total"] += 1  # type: ignore[operator]
         spec = tiers[req.tier]
         # Feasible: its prefill alone, on an idle worker with a cold cache, fits TTFT.
-        feasible = spec.ttft_s is None or sim.cost.prefill_s(req.prompt_len, 0) <= spec.ttft_s
+        feasible = is_feasible(req.prompt_len, spec, sim.cost.prefill_s)
         p["feasible"] += int(feasible)  # type: ignore[operator]
         p["demand"] += req.prompt_len + out  # type: ignore[operator]
         if req.state is RequestState.REJECTED:
@@ -63,7 +64,6 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
         if req.state not in done_states or req.first_token_time is None:
             continue
         ttft = req.first_token_time - req.arrival_time
-        e2e = req.finish_time - req.arrival_time  # type: ignore[operator]
         tpot = ((req.finish_time - req.first_token_time) / (out - 1)  # type: ignore[operator]
                 if out > 1 else 0.0)
         p["ttft"].append(ttft)  # type: ignore[union-attr]
@@ -76,9 +76,7 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
             p["loaded"] += out  # type: ignore[operator]
         out_tokens += out
         last = max(last, req.finish_time or 0.0)
-        ok = ((spec.ttft_s is None or ttft <= spec.ttft_s)
-              and (spec.tpot_s is None or tpot <= spec.tpot_s)
-              and (spec.e2e_s is None or e2e <= spec.e2e_s))
+        ok = met_slo(req, out, spec)
         p["attained"] += int(ok)  # type: ignore[operator]
         p["feasible_attained"] += int(ok and feasible)  # type: ignore[operator]
     arrivals = [j.req.arrival_time for j in sim.jobs.values()]
@@ -121,7 +119,7 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
     hits = sum(w.index.num_hit_blocks for w in sim.prefill if w.index is not None)
     lookups = sum(w.index.num_lookup_blocks for w in sim.prefill if w.index is not None)
     run: dict[str, object] = {
-        "policy": sim.policy.name if ":" not in sim.policy_label else sim.policy_label,
+        "policy": sim.policy_label,
         "load": load,
         "mode": sim.mode.value,
         "max_tokens": sim.max_tokens,

@@ -46,6 +46,7 @@ from scheduler.policy import PolicyContext
 from scheduler.request import DecisionRecord, Request, RequestState
 from scheduler.sim.cluster import ClusterSpec
 from scheduler.sim.costmodel import CostModel
+from scheduler.sim.slo import SloBars, is_feasible, met_slo
 from scheduler.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from scheduler.sim.workers import DecodeWorker, Held, PrefillWorker, SimWorker
 from scheduler.step_costs import StepCosts
@@ -63,10 +64,17 @@ PREFIX_CACHE_FRACTION = 0.9
 MAX_DRIVE_ROUNDS = 4
 # Live requests and nothing moved for this long: the kernel deadlocked.
 STALL_S = 3600.0
+# Every this many control intervals a worker's report lists every request it holds; the
+# others list those whose figures changed (exact here: nothing is lost on the way).
+COMPLETE_REPORT_TICKS = 10
 
 
 class SimulationStalled(RuntimeError):
     """Requests are live but nothing has moved for ``STALL_S`` simulated seconds."""
+
+
+class _Missed(Exception):
+    """A tier missed more requests than its attainment bar allows: the verdict is in."""
 
 
 @dataclass(slots=True)
@@ -100,9 +108,17 @@ class Simulator:
     def __init__(self, trace: Sequence[TraceRequest], policy_name: str, cluster: ClusterSpec,
                  cost: CostModel, tiers: TierConfig, *,
                  mode: PoolMode = PoolMode.DISAGGREGATED,
-                 max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0) -> None:
-        """``prior_scale`` multiplies the profile's step-cost priors (tests use it to show
-        that the workers' StepCosts learn the step times anyway)."""
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prior_scale: float = 1.0,
+                 profile_prior: bool = False, stop_below: SloBars | None = None) -> None:
+        """Every worker's StepCosts (and the cluster scheduler's before the first report)
+        start from its hardware class's generic prior (``scheduler.step_costs``: GPU_PRIOR
+        or CPU_PRIOR), as a live worker that was never calibrated, and learn the profile's
+        step times from the steps they run; ``profile_prior`` starts them from the
+        profile's own linear model instead, and ``prior_scale`` multiplies the prior (tests
+        use both to show that the learning, not the prior, decides). ``stop_below``: end the
+        run as soon as some tier has missed more requests than these bars allow (the run
+        cannot clear them any more; ``stopped_early`` says so), as an SLO-capacity search
+        needs only that verdict."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         self.cost = cost
@@ -116,7 +132,8 @@ class Simulator:
         chunk = p.prefill_chunk_tokens
 
         def prior(prefill_only: bool) -> tuple[float, ...]:
-            return tuple(c * prior_scale for c in cost.step_prior(prefill_only))
+            base = cost.step_prior(prefill_only) if profile_prior else cost.generic_prior()
+            return tuple(c * prior_scale for c in base)
 
         self.cs = ClusterScheduler(tiers, policy_name, self.bs, cost.links, mode=mode,
                                    cost_prior=prior(False), chunk_tokens=chunk,
@@ -162,6 +179,16 @@ class Simulator:
         for tr in self.trace:
             n = min(tr.output_len, max_tokens)
             self.jobs[tr.req_id] = Job(tr, n, tr.output_len >= max_tokens)
+        self.stop_below = stop_below
+        self.stopped_early = False
+        self.missed_tier: int | None = None  # the tier whose misses stopped the run
+        self._misses = [0] * tiers.num_tiers
+        counts = [0] * tiers.num_tiers
+        for tr in self.trace:
+            if self._counts(tr.req_id, tr.prompt_len, tr.tier):
+                counts[tr.tier] += 1
+        self._allowed = ([stop_below.allowed_misses(t, n) for t, n in enumerate(counts)]
+                         if stop_below is not None else [])
         self._hash_parts: dict[int, tuple[int, ...]] = {}
         self.violations: list[Violation] = []
         # (time, request, decode worker, prefill worker or None) per applied dispatch.
@@ -171,6 +198,9 @@ class Simulator:
         self._seq = itertools.count()
         self._unfinished = len(self.trace)
         self._last_progress = 0.0
+        # Something reached the cluster scheduler since its last plan.
+        self._kicked = True
+        self._num_ticks = 0
         self.wall_s = 0.0
 
     @property
@@ -221,24 +251,30 @@ class Simulator:
         handlers = {ARRIVAL: self._on_arrival, STEP_DONE: self._on_step_done,
                     TRANSFER_DONE: self._on_transfer_done, TICK: self._on_tick}
         events = self._events
-        while events:
-            t, _, kind, obj = heapq.heappop(events)
-            self.now = t
-            handlers[kind](obj)
-            if not events or events[0][0] > t:
-                self._drive()
-        self._deliver()
+        try:
+            while events:
+                t, _, kind, obj = heapq.heappop(events)
+                self.now = t
+                handlers[kind](obj)
+                if not events or events[0][0] > t:
+                    self._drive()
+            self._deliver()
+        except _Missed:
+            self.stopped_early = True  # the kernel's state is left mid-call: read no more
         self.wall_s = time.perf_counter() - t0
         return self
 
     def _drive(self) -> None:
-        """Reports in, the cluster's plan out and applied, idle workers stepping."""
+        """Reports in, the cluster's plan out and applied, idle workers stepping. The
+        cluster plans when something reached it (a submission, a report, an answer) or
+        the control interval ticked, as the global scheduler's plan loop is woken."""
         for _ in range(MAX_DRIVE_ROUNDS):
             self._deliver()
-            plan = self.cs.plan(self.now)
-            self._apply(plan)
+            if self._kicked:
+                self._kicked = False
+                self._apply(self.cs.plan(self.now))
             self._start_idle()
-            if plan.is_empty and not any(w.has_news for w in self.workers):
+            if not self._kicked and not any(w.has_news for w in self.workers):
                 return
         self._deliver()
 
@@ -246,6 +282,7 @@ class Simulator:
         for w in self.workers:
             if w.has_news:
                 self.cs.on_report(w.report(), self.now)
+                self._kicked = True
             for rid in w.refused_orders:
                 self.cs.on_preempt_result(rid, w.worker_id, False)
             w.refused_orders.clear()
@@ -285,6 +322,7 @@ class Simulator:
                             d.num_blocks)
             self.dispatch_log.append((now, d.req_id, d.decode_worker_id, d.prefill_worker_id))
             self.cs.on_dispatch_result(d.req_id, ok, now, num_free_blocks=dw.account.num_free)
+            self._kicked = True
             if not ok:
                 continue
             if d.prefill_worker_id is None:
@@ -302,6 +340,7 @@ class Simulator:
     def _on_arrival(self, job: Job) -> None:
         tr = job.trace
         self._last_progress = self.now
+        self._kicked = True
         self.cs.submit(self.new_request(tr), self.now)
         job.req = self.cs.get(tr.req_id) or job.req  # a rejected one came via on_closed
 
@@ -311,6 +350,18 @@ class Simulator:
             job.req = req
             self._unfinished -= 1
             self._last_progress = self.now
+            if (self._allowed and self._counts(req.req_id, req.prompt_len, req.tier)
+                    and not met_slo(req, job.num_output_tokens, self.tiers[req.tier])):
+                self._misses[req.tier] += 1
+                if self._misses[req.tier] > self._allowed[req.tier]:
+                    self.missed_tier = req.tier
+                    raise _Missed
+
+    def _counts(self, req_id: str, prompt_len: int, tier: int) -> bool:
+        """Whether the request counts towards ``stop_below``'s bars (all, or the feasible)."""
+        bars = self.stop_below
+        return bars is not None and (not bars.feasible_only or is_feasible(
+            prompt_len, self.tiers[tier], self.cost.prefill_s))
 
     def _on_step_done(self, arg: tuple[SimWorker, int]) -> None:
         w, version = arg
@@ -340,6 +391,12 @@ class Simulator:
         self._cut(dw)
 
     def _on_tick(self, _: object) -> None:
+        self._kicked = True  # the plan loop's control interval
+        self._num_ticks += 1
+        complete = self._num_ticks % COMPLETE_REPORT_TICKS == 0
+        for w in self.workers:
+            w.report_due = True
+            w.complete_due = w.complete_due or complete
         self.violations.extend(check_kv_budget(w.account for w in self.workers))
         self.violations.extend(check_shares(self.policy.shares))
         if self.cs.live and self.now - self._last_progress > STALL_S:

@@ -119,7 +119,11 @@ class SimWorker:
         self.version = 0  # a step's end event carries it; a cut step gets a new one
         self.num_mechanism_refusals = 0  # planned allocations that failed (a planner bug)
         self.refused_orders: list[str] = []  # PreemptOrders whose victim was not decoding
-        self._stepped = False
+        # The control interval's periodic report (running figures, free blocks, fitted
+        # step costs) is due, as a live worker sends one every interval; and whether it
+        # lists every request held (the first report does).
+        self.report_due = False
+        self.complete_due = True
 
     @property
     def worker_id(self) -> str:
@@ -136,7 +140,9 @@ class SimWorker:
 
     @property
     def has_news(self) -> bool:
-        return bool(self.events or self.block_events or self.dirty or self._stepped)
+        """A report is due: events to tell (a live worker reports after a step that had
+        some), or the periodic report of every control interval (``report_due``)."""
+        return bool(self.events or self.block_events or self.report_due)
 
     def _event(self, req_id: str, kind: WorkerEvent, now: float,
                for_req_id: str | None = None) -> None:
@@ -144,11 +150,18 @@ class SimWorker:
         self.dirty[req_id] = None
 
     def report(self) -> WorkerReport:
-        # Everything the worker holds, as a live worker reports it (the cluster scheduler
-        # drops from its view what a report leaves out).
+        """Everything the worker holds when a complete report is due (``complete_due``:
+        the cluster scheduler drops from its view what such a report leaves out), else
+        only the requests whose figures changed since the last report (``dirty``): the
+        simulated worker knows exactly what changed, so the cluster's view is the same
+        either way, and a report does not walk thousands of queued prompts."""
         running = []
         local = self.ws.local
-        for rid in dict.fromkeys([*self.held, *local]):
+        held = self.held
+        complete = self.complete_due
+        ids = (dict.fromkeys([*held, *local]) if complete
+               else [rid for rid in self.dirty if rid in held or rid in local])
+        for rid in ids:
             lr = local.get(rid)
             if lr is None:
                 h = self.held.get(rid)
@@ -159,11 +172,12 @@ class SimWorker:
                                       lr.req.num_output_tokens, lr.num_prefill_left))
         rep = WorkerReport(self.worker_id, self.account.num_free, self.account.num_total_blocks,
                            tuple(self.events), tuple(self.block_events), (), tuple(running),
-                           self.ws.costs.to_tuple(), self.ws.num_steps)
+                           self.ws.costs.to_tuple(), self.ws.num_steps, is_complete=complete)
         self.events = []
         self.block_events = []
         self.dirty = {}
-        self._stepped = False
+        self.report_due = False
+        self.complete_due = False
         return rep
 
     # -- steps -----------------------------------------------------------------------
@@ -291,7 +305,6 @@ class SimWorker:
             self.dirty[rid] = None
         for rid in plan.decodes:
             self.dirty[rid] = None
-        self._stepped = True
         return done
 
     # -- requests --------------------------------------------------------------------

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="trajectory seed base (default 0)")
     p.add_argument("--json", metavar="OUT", help="write the result as JSON here")
     p.add_argument("--policy", default="tierserve",
-                   help=f"policy under check: {', '.join(POLICY_NAMES)} or tierserve:<ordering>")
+                   help=f"policy under check: {', '.join(POLICY_NAMES)}, with settings as "
+                        "NAME:key=value,...")
     p.add_argument("--inject-fault", choices=sorted(FAULTS),
                    help="check a deliberately broken policy/account (the checker must fail)")
     s = p.add_argument_group("scope (exhaustive defaults; trajectories use a 4-tier cluster)")

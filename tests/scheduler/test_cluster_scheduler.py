@@ -220,11 +220,11 @@ def test_reports_drop_what_the_worker_no_longer_holds() -> None:
     cs = make_cluster()
     submit(cs, "a", 2, 100, now=0.0)
     dispatch_all(cs, 0.0)
-    assert cs.workers["p0"].prefill_left == {"a": 100}
+    assert cs.workers["p0"].prefill_left.as_dict() == {"a": 100}
     cs.on_report(WorkerReport("p0", 256, 256, running=(RunningReq("a", 0, 0, 40),)), 0.1)
-    assert cs.workers["p0"].prefill_left == {"a": 40}
+    assert cs.workers["p0"].prefill_left.as_dict() == {"a": 40}
     cs.on_report(WorkerReport("p0", 256, 256, running=()), 0.2)  # gone from the worker
-    assert cs.workers["p0"].prefill_left == {}
+    assert cs.workers["p0"].prefill_left.as_dict() == {}
     assert cs.workers["p0"].backlog_s() == 0.0
 
 
@@ -257,9 +257,9 @@ def test_on_pick_reports_the_dispatch_order_and_who_found_no_room() -> None:
 
 def test_a_preemption_in_flight_is_not_ordered_again_until_the_worker_answers() -> None:
     """Until the victim's PREEMPTED event arrives it still looks like a decode: the next
-    plans must wait for it, not order it again (vllm-priority ignores the anti-thrash
-    window) or another victim for the same need."""
-    cs = make_cluster(policy="vllm-priority", decode_blocks=16)
+    plans must wait for it, not order it again (sglang-fcfs, which preempts for an
+    arrival, ignores the anti-thrash window) or another victim for the same need."""
+    cs = make_cluster(policy="sglang-fcfs", decode_blocks=16)
     submit(cs, "low", 3, 200, now=0.0)
     assert dispatch_all(cs, 0.0) == ["low"]
     cs.on_report(WorkerReport("p0", 256, 256, events=(

@@ -21,7 +21,7 @@ def test_json_shape_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     assert [(r["policy"], r["load"]) for r in runs] == [
-        ("tierserve", 1.0), ("vllm-fcfs", 1.0), ("tierserve", 2.0), ("vllm-fcfs", 2.0)]
+        ("tierserve", 1.0), ("tierserve", 2.0), ("vllm-fcfs", 1.0), ("vllm-fcfs", 2.0)]
     for r in runs:
         for key in ("goodput_rps", "throughput_tok_s", "preemptions", "prefix_hit_rate", "wall_s"):
             assert key in r
@@ -66,3 +66,37 @@ def test_bad_flags_name_the_field(flag: str, value: str, field: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", SPEC, "--format", "poisson", flag, value]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_capacity_per_seed_and_best_tuned_peers_reach_the_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cap.json"
+    rc = main(["simulate", "--trace", "rate=6,duration=8,prompt=600,output=40", "--format",
+               "poisson", "--policies", "tierserve,vllm-priority:max_num_batched_tokens=1024",
+               "--load", "1,4", "--seeds", "0,1", "--capacity", "--bisect", "1",
+               "--tune-peers", "--tune-load", "2", "--tune-window", "5", "--cluster", SMALL,
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["setup"]["tune_window"] == 5
+    tuning_probes = [p for p in res["probes"] if p["policy"] not in res["slo_capacity"]]
+    # Tuning replays the trace's first 5 of 8 seconds; the headline runs replay all of it.
+    assert max(p["requests"] for p in tuning_probes) < min(r["requests"] for r in res["runs"])
+    best = res["best_tuned"]["vllm-priority"]
+    assert best.startswith("vllm-priority:max_num_batched_tokens=")
+    tried = [t["policy"] for t in res["tuning"]["vllm-priority"]]
+    assert len(tried) >= 6 and best in tried
+    assert set(res["slo_capacity"]) == {"tierserve", best}
+    for label, by_seed in res["slo_capacity_by_seed"].items():
+        assert set(by_seed) == {"0", "1"}
+        spread = res["slo_capacity_spread"][label]
+        assert spread["min"] <= res["slo_capacity"][label] <= spread["max"]
+    assert {(r["policy"], r["seed"]) for r in res["runs"]} == {
+        (p, s) for p in ("tierserve", best) for s in (0, 1)}
+    assert all("cleared" in r for r in res["runs"])
+
+
+def test_bad_policy_settings_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["simulate", "--trace", SPEC, "--format", "poisson", "--policies",
+               "vllm-priority:max_num_batched_tokens=lots"])
+    assert rc == 2 and "max_num_batched_tokens" in capsys.readouterr().err

@@ -96,3 +96,10 @@ def test_cluster_layout_and_errors() -> None:
         parse_cluster("decode=x", 100)
     with pytest.raises(ClusterSpecError, match="KEY=VALUE"):
         parse_cluster("gpus=3", 100)
+
+
+def test_decode_kv_blocks_shrink_the_decode_pool_alone() -> None:
+    spec = parse_cluster("prefill=2,decode=2,kv_blocks=5000,decode_kv_blocks=1200", 100)
+    assert {w.num_kv_blocks for w in spec.prefill} == {5000}
+    assert {w.num_kv_blocks for w in spec.decode} == {1200}
+    assert {w.num_kv_blocks for w in parse_cluster("decode=2", 100).decode} == {100}
