@@ -33,6 +33,17 @@ def sharegpt_prompts(tokenizer, num_prompts: int, path: Path = SHAREGPT) -> list
     return prompts
 
 
+def long_prompt(tokenizer, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` tokens of ShareGPT's opening turns, joined: one long prompt."""
+    records = json.loads(SHAREGPT.read_text())
+    ids: list[int] = []
+    for record in records:
+        ids.extend(tokenizer(record["conversations"][0]["value"]).input_ids)
+        if len(ids) >= num_tokens:
+            break
+    return ids[:num_tokens]
+
+
 def trim_generated(tokens: Sequence[int], eos_ids: set[int], pad_id: int | None) -> list[int]:
     """Generated tokens up to and including the first EOS (what the engine returns)."""
     out: list[int] = []

@@ -23,11 +23,12 @@ on the 1B model. Writes JSON (--json).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+
+from engine.bench_report import write_report
 
 VARIANTS = {
     "flex+graphs": {"attention": "flex"},
@@ -204,10 +205,5 @@ def run_cuda(args: argparse.Namespace) -> int:
     agree = [sum(a == b for a, b in zip(first_tokens[v], first_tokens["paged"], strict=True))
              / len(first_tokens["paged"]) for v in VARIANTS]
     report["bf16_agreement_with_paged"] = dict(zip(VARIANTS, agree, strict=True))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-        log(f"report written to {args.json}")
+    write_report(report, args.json, log)
     return 0

@@ -206,8 +206,7 @@ def side_commands(venv: Path, cores: list[int], kv_gib: int, thp: bool = False
 def _workload(model_path: Path, args) -> tuple[dict[int, list[list[int]]], list[int]]:
     from transformers import AutoTokenizer
 
-    from engine.bench import long_prompt
-    from engine.bench_baselines import sharegpt_prompts
+    from engine.bench_baselines import long_prompt, sharegpt_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     pool = [p for p in sharegpt_prompts(tokenizer, 400) if len(p) <= args.max_prompt_tokens]
@@ -218,7 +217,7 @@ def _workload(model_path: Path, args) -> tuple[dict[int, list[list[int]]], list[
 
 
 def run_peer(args) -> int:
-    from engine.bench import log
+    from engine.bench_report import log, write_report
     from engine.prepare_model import default_model_path, prepare
 
     if args.peer != PEER_NAME:
@@ -288,17 +287,12 @@ def run_peer(args) -> int:
                               "mib": ours >> 20, "peer_mib": theirs >> 20,
                               "ratio": round(ours / theirs, 3)}
     if "equivalence" not in args.skip:
-        from engine.bench import bench_equivalence_quick
+        from engine.bench_equivalence import bench_equivalence_quick
 
         report["equivalence"] = bench_equivalence_quick(model_path)
     report["settings"]["loadavg_end"] = list(os.getloadavg())
     report["wall_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-        log(f"report written to {args.json}")
+    write_report(report, args.json, log)
     return 0
 
 
