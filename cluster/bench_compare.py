@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from cluster.app import deploy, init_ray
-    from cluster.bench_http import replay, summarize
     from cluster.config import load_config
+    from cluster.http_replay import replay, summarize
     from cluster.testing import free_port
 
     runs: list[dict[str, Any]] = []

@@ -403,7 +403,7 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
             label: str, *, warmup: bool = False) -> tuple[list, float, str]:
     import asyncio
 
-    from cluster.bench_http import replay
+    from cluster.http_replay import replay
 
     async def with_ticker() -> tuple[list, float, str]:
         task = asyncio.ensure_future(replay(
@@ -424,7 +424,7 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
 
 def _measure(url: str, s: ReplaySettings, load: float, duration: float, tiers: Any,
              system: str, clock: Clock, label: str) -> dict[str, Any]:
-    from cluster.bench_http import summarize
+    from cluster.http_replay import summarize
 
     t0 = time.monotonic()
     outcomes, elapsed, model = _replay(url, s, load, duration, clock, label)

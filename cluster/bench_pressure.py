@@ -123,7 +123,7 @@ def cluster_config(args: argparse.Namespace, model: str, policy: str,
 
 async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: str) -> list[Any]:
     """Every arrival at its time (open loop) through the backend; one Outcome each."""
-    from cluster.bench_http import Outcome
+    from cluster.http_replay import Outcome
     from router.backend import BackendError, GenerationSpec, SamplingSpec
 
     async def one(i: int, a: Arrival) -> Outcome:
@@ -330,7 +330,7 @@ def _stop(handles: Any) -> None:
 def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> dict[str, Any]:
     from cluster.app import init_ray, start_workers
     from cluster.backend import ClusterBackend, HFTokenizer
-    from cluster.bench_http import summarize
+    from cluster.http_replay import summarize
 
     cfg = cluster_config(args, model, policy)
     init_ray(None, num_cpus=args.num_cpus)

@@ -1,0 +1,168 @@
+"""Replaying a trace through an OpenAI-compatible endpoint and summing it up per tier: the
+library under ``tierserve bench`` (cluster.bench_http) and the benches that compare
+systems with it (cluster.bench_peer, bench_compare, bench_pressure). What is measured and
+how is in cluster.bench_http's docstring."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scheduler.tiers import TierConfig, TierSpec
+
+REJECTED_STATUS = 429  # admission said no (router/app.py), counted apart from other errors
+
+
+@dataclass(slots=True)
+class Outcome:
+    tier: int
+    ok: bool
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    num_tokens: int = 0
+    error: str = ""
+    # The HTTP status when the server answered with anything but 200 (None otherwise).
+    status: int | None = None
+    # The server's id for it (tierserve's x-tierserve-request-id header; `tierserve why`).
+    req_id: str = ""
+
+    @property
+    def is_rejected(self) -> bool:
+        return self.status == REJECTED_STATUS
+
+
+def slo_met(spec: TierSpec, o: Outcome) -> bool:
+    if not o.ok or o.ttft_s is None or o.e2e_s is None:
+        return False
+    if spec.ttft_s is not None and o.ttft_s > spec.ttft_s:
+        return False
+    if spec.tpot_s is not None and o.tpot_s is not None and o.tpot_s > spec.tpot_s:
+        return False
+    return spec.e2e_s is None or o.e2e_s <= spec.e2e_s
+
+
+def _scale(values: np.ndarray, target: int) -> np.ndarray:
+    p99 = float(np.percentile(values, 99)) if len(values) else 1.0
+    return np.clip(np.rint(values * (target / max(p99, 1.0))), 1, target).astype(int)
+
+
+async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int, tier: int,
+               timeout: float) -> Outcome:
+    # The tier travels twice: as vLLM's ``priority`` (0 most urgent) and as our header.
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "priority": tier}
+    t0 = time.perf_counter()
+    marks: dict[str, float] = {}
+    n = 0
+    status: int | None = None
+    req_id = ""
+
+    async def stream() -> str | None:
+        nonlocal n, status, req_id
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers={"x-tierserve-tier": str(tier)}) as r:
+            req_id = r.headers.get("x-tierserve-request-id", "")
+            if r.status_code != 200:
+                status = r.status_code
+                text = (await r.aread()).decode(errors="replace")[:200]
+                return f"HTTP {r.status_code}: {text}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                now = time.perf_counter()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    return str(obj["error"].get("message"))
+                marks.setdefault("first", now)
+                if obj.get("usage"):
+                    n = int(obj["usage"]["completion_tokens"])
+                elif obj.get("choices"):
+                    marks["last"] = now
+        return None
+
+    try:
+        error = await asyncio.wait_for(stream(), timeout)
+    except asyncio.TimeoutError:
+        return Outcome(tier, False, error="timeout")
+    except Exception as e:  # connection refused / reset: counted as an error, run goes on
+        return Outcome(tier, False, error=f"{type(e).__name__}: {e}")
+    if error is not None:
+        return Outcome(tier, False, error=error, status=status, req_id=req_id)
+    first, last = marks.get("first"), marks.get("last", t0)
+    if first is None:
+        return Outcome(tier, False, error="no tokens")
+    tpot = (last - first) / (n - 1) if n > 1 else None
+    return Outcome(tier, True, first - t0, tpot, last - t0, n, req_id=req_id)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
+              policy: str, url: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"policy": policy, "url": url, "requests": len(outcomes),
+                           "errors": sum(1 for o in outcomes if not o.ok),
+                           "rejected": sum(1 for o in outcomes if o.is_rejected),
+                           "duration_s": duration_s, "tiers": {}}
+    for t in range(tiers.num_tiers):
+        mine = [o for o in outcomes if o.tier == t]
+        ok = [o for o in mine if o.ok]
+        met = sum(1 for o in mine if slo_met(tiers[t], o))
+        ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+        tpot = [o.tpot_s for o in ok if o.tpot_s is not None]
+        out["tiers"][str(t)] = {
+            "requests": len(mine), "errors": len(mine) - len(ok),
+            "rejected": sum(1 for o in mine if o.is_rejected),
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
+            "attainment": met / len(mine) if mine else None,
+            "goodput_rps": met / duration_s if duration_s > 0 else 0.0,
+        }
+    return out
+
+
+async def replay(url: str, trace: str, *, duration: float, load: float, max_prompt: int,
+                 max_output: int, max_requests: int, timeout: float, seed: int,
+                 api_key: str) -> tuple[list[Outcome], float, str]:
+    import httpx
+
+    from scheduler.sim.traces import guess_format, read_trace, scale_load
+
+    # Open loop: no cap on connections. A capped pool would queue requests first come first
+    # served in this client, before the scheduler under test could see (and order) them.
+    async with httpx.AsyncClient(timeout=timeout, headers={"authorization": f"Bearer {api_key}"},
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=512)) as client:
+        models = (await client.get(f"{url}/v1/models")).json()["data"]
+        model, ctx = models[0]["id"], int(models[0].get("max_model_len", 2048))
+        reqs = scale_load(read_trace(guess_format(trace), trace, seed=seed), load, duration)
+        if max_requests:
+            reqs = reqs[:max_requests]
+        max_prompt = max_prompt or max(ctx // 8, 16)
+        max_output = min(max_output, ctx - max_prompt - 1)
+        prompts = _scale(np.array([r.prompt_len for r in reqs], dtype=float), max_prompt)
+        outputs = _scale(np.array([r.output_len for r in reqs], dtype=float), max_output)
+        rng = np.random.default_rng(seed)
+        start = time.perf_counter()
+
+        async def at(i: int) -> Outcome:
+            r = reqs[i]
+            delay = r.arrival - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = [int(x) for x in rng.integers(32, 127, int(prompts[i]))]
+            return await _one(client, url, model, prompt, int(outputs[i]), r.tier, timeout)
+
+        outcomes = await asyncio.gather(*(at(i) for i in range(len(reqs))))
+        elapsed = time.perf_counter() - start
+    return list(outcomes), elapsed, model
