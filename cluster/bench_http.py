@@ -31,7 +31,7 @@ import math
 import sys
 from pathlib import Path
 
-from cluster.http_replay import Outcome, replay, summarize  # noqa: F401 (re-exported)
+from cluster.http_replay import replay, summarize
 from scheduler.tiers import default_tiers
 
 

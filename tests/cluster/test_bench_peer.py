@@ -11,8 +11,8 @@ import pytest
 
 from cluster import bench_http, bench_peer
 from cluster import bench_peer_servers as ps
-from cluster.bench_http import Outcome, summarize
 from cluster.config import load_config
+from cluster.http_replay import Outcome, summarize
 
 NUM_TIERS = 4
 
