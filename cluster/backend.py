@@ -497,9 +497,12 @@ class ClusterBackend:
                 retry_after_s=RETRY_AFTER_S) from None
 
     async def _submit_patiently(self, spec: GenerationSpec, *, retrying: bool) -> SubmitAnswer:
-        """Submit; a retry that finds no live worker (or no scheduler) tries again for up
-        to RETRY_PATIENCE_S, so a replacement that registers meanwhile takes it."""
+        """Submit; a retry that finds no live worker (or no scheduler), or that admission
+        turns away for now, tries again for up to RETRY_PATIENCE_S, so a replacement that
+        registers meanwhile, or room that the streams in flight free, takes it: the request
+        was admitted once, and a fault is no reason to refuse it at the first look."""
         deadline = time.monotonic() + (RETRY_PATIENCE_S if retrying else 0.0)
+        again = (SubmitOutcome.UNAVAILABLE, SubmitOutcome.REJECTED)
         while True:
             try:
                 ans = await self._submit(spec)
@@ -507,7 +510,7 @@ class ClusterBackend:
                 if e.kind is not BackendErrorKind.UNAVAILABLE or time.monotonic() >= deadline:
                     raise
             else:
-                if ans.outcome is not SubmitOutcome.UNAVAILABLE or time.monotonic() >= deadline:
+                if ans.outcome not in again or time.monotonic() >= deadline:
                     return ans
             await asyncio.sleep(RETRY_POLL_S)
 

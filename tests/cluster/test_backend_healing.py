@@ -248,3 +248,31 @@ def test_a_retry_that_resumes_within_the_bound_streams_on() -> None:
         await stream.aclose()
 
     asyncio.run(go())
+
+
+def test_a_retry_admission_turns_away_for_now_is_submitted_again() -> None:
+    async def go() -> None:
+        backend, sched, dec = make_bounded_backend(5.0)
+        refusals = [1]  # the first retry finds no SLO headroom; the next look finds room
+        inner = sched.submit.fn
+
+        async def submit(raw: bytes) -> bytes:
+            specs = decode(raw, SubmitBatch).specs
+            if specs[0].req_id.endswith("-r1") and refusals:
+                refusals.pop()
+                return encode(SubmitAnswers(tuple(SubmitAnswer(
+                    s.req_id, SubmitOutcome.REJECTED, "no_slo_headroom", 0.1) for s in specs)))
+            return await inner(raw)
+
+        sched.submit = Method(submit)
+        stream = backend.generate(spec("a"))
+        first = asyncio.get_running_loop().create_task(anext(stream))
+        await wait_for(lambda: len(sched.submitted) == 1)
+        dec.queue.put_nowait(encode(TokenBatch("d0", (TokenDelta("a", (), error="worker_failed"),))))
+        await wait_for(lambda: len(sched.submitted) == 2)  # accepted at the second look
+        assert not refusals
+        dec.send("a-r1", (4, 5), "length")
+        assert (await first).token_ids == (4, 5)
+        await stream.aclose()
+
+    asyncio.run(go())
