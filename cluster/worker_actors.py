@@ -89,7 +89,12 @@ class _WorkerActorBase:
         self._setup_task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _build(self) -> Any:
-        raise NotImplementedError
+        """The worker of this actor's role (cluster.worker_setup builds both)."""
+        from cluster import worker_setup
+
+        make = {"decode": worker_setup.make_decode_worker,
+                "prefill": worker_setup.make_prefill_worker}[self.role]
+        return await make(self.worker_id, self.index, self.cfg, self.link, self.namespace)
 
     async def _setup(self) -> bytes:
         try:
@@ -139,12 +144,6 @@ def _make_decode_actor() -> Any:
     @ray.remote
     class DecodeWorkerActor(_WorkerActorBase):
         role = "decode"
-
-        async def _build(self) -> Any:
-            from cluster.worker_setup import make_decode_worker
-
-            return await make_decode_worker(self.worker_id, self.index, self.cfg, self.link,
-                                            self.namespace)
 
         async def dispatch(self, msg: bytes) -> bytes:
             d = decode(msg, Dispatch)
@@ -201,12 +200,6 @@ def _make_prefill_actor() -> Any:
     @ray.remote
     class PrefillWorkerActor(_WorkerActorBase):
         role = "prefill"
-
-        async def _build(self) -> Any:
-            from cluster.worker_setup import make_prefill_worker
-
-            return await make_prefill_worker(self.worker_id, self.index, self.cfg, self.link,
-                                             self.namespace)
 
         async def start_request(self, msg: bytes) -> str | None:
             # Not set up: raises, which the decode worker reads as "unreachable" (that
