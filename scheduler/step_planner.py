@@ -224,7 +224,12 @@ def _pressure(view: StepView, decodes: list[LocalRequest], policy: SchedulingPol
     return decodes, victims, free
 
 
-def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) -> tuple[list[str], int]:
+def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int,
+              num_running: int) -> tuple[list[str], int]:
+    """Swapped requests back in, in policy order, each only while the blocks left after
+    it still give every running decode (``num_running`` of them, and those swapped in)
+    its next block: one that came back into exactly its own blocks would be the next
+    step's KV-pressure victim (or force one), swap after swap."""
     out: list[str] = []
     if not view.swapped or room <= 0:
         return out, free
@@ -235,7 +240,7 @@ def _swap_ins(view: StepView, free: int, policy: SchedulingPolicy, room: int) ->
         if len(out) >= room:
             offers.append((r, Verdict.STOP))
             break
-        if lr.num_blocks > free:
+        if lr.num_blocks + num_running + len(out) + 1 > free:
             offers.append((r, Verdict.SKIP))
             break
         out.append(r.req_id)
@@ -336,7 +341,7 @@ def compose_budget_step(view: StepView, policy: SchedulingPolicy,
     decodes = decodes[: view.max_num_seqs]
     budget -= len(decodes)
     room = view.max_num_seqs - len(decodes)
-    swap, free = _swap_ins(view, free, policy, room)
+    swap, free = _swap_ins(view, free, policy, room, len(decodes))
     room -= len(swap)
     chunks = _take_chunks(view, budget, None, _shape(decodes), free, room, budget,
                           chunk_cap=chunk_cap)
@@ -428,7 +433,7 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     if tight is not None:
         seconds = min(seconds, tpot_margin * tight)
     room = view.max_num_seqs - len(batch)
-    swap, free = _swap_ins(view, free, policy, room)
+    swap, free = _swap_ins(view, free, policy, room, len(decodes))
     room -= len(swap)
     budget = view.max_num_batched_tokens - len(batch)
     tpot_bound = None

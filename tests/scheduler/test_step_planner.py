@@ -159,4 +159,16 @@ def test_blocks_freed_for_an_arrival_are_not_taken_back_by_the_victim() -> None:
     decoding(w2, "victim", 3)
     w2.swap_out("victim")
     w2.hold_for("x", 8, now=1.0)
-    assert w2.plan(3.5, 8).swap_in == ("victim",)  # the hold expired: "x" went elsewhere
+    assert w2.plan(3.5, 9).swap_in == ("victim",)  # the hold expired: "x" went elsewhere
+
+
+def test_a_swapped_request_comes_back_only_with_room_for_every_decode_to_grow() -> None:
+    w = make_worker()
+    decoding(w, "victim", 3)  # 8 blocks
+    decoding(w, "a", 1)
+    decoding(w, "b", 1)
+    w.swap_out("victim")
+    # Its own 8 blocks and one more for each of the three decodes (itself too) to grow:
+    # in 10 free blocks it would be the next block boundary's victim again.
+    assert w.plan(1.0, 10).swap_in == ()
+    assert w.plan(1.1, 11).swap_in == ("victim",)
