@@ -581,8 +581,11 @@ class ClusterScheduler:
 
     def _route(self, req: Request, now: float, blocked: dict[int, int]) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
-        if any(t <= req.tier and n <= need for t, n in blocked.items()):
-            return None  # a more urgent (or as urgent) smaller request found no room
+        if any(t < req.tier or (t == req.tier and n <= need) for t, n in blocked.items()):
+            # A more urgent request found no room (whatever its size: blocks released for
+            # it must not go to less urgent ones that fit sooner, or a large prompt would
+            # wait forever), or an as urgent one no larger than this.
+            return None
         decode = self._decode_slots()
         remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
         if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
@@ -695,7 +698,9 @@ class ClusterScheduler:
             cands = self._victim_views(w, decode)
             if not cands:
                 continue
-            plan = self.policy.preempt_for(req, need, soon_free, cands, now)
+            release = self._release_rate(w)
+            wait = max(need - soon_free, 0) / release if release else None
+            plan = self.policy.preempt_for(req, need, soon_free, cands, now, wait_s=wait)
             if plan is None or not plan.victims:
                 continue
             for v in plan.victims:

@@ -35,7 +35,7 @@ from scheduler.admission import (
     LoadSnapshot,
     should_preempt_now,
 )
-from scheduler.deadlines import DeadlineWatcher, ServiceEstimate
+from scheduler.deadlines import DeadlineWatcher, ServiceEstimate, slack_s
 from scheduler.fairshare import FairShareController, ShareLedger, TailTracker
 from scheduler.links import LinkPricer
 from scheduler.ordering import (
@@ -159,7 +159,11 @@ class SchedulingPolicy:
         return choose_decode(num_blocks, ok, source, self.ctx.costs, min_headroom=0.0)
 
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
-                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+                    candidates: Sequence[VictimView], now: float,
+                    wait_s: float | None = None) -> PreemptionPlan | None:
+        """Victims to preempt so waiting ``req`` gets ``need_blocks`` (None: it waits).
+        ``wait_s``: the predicted seconds until the worker's finishing decodes free the
+        shortfall by themselves (None: unknown, or never)."""
         return None
 
     def on_kv_pressure(self, need_blocks: int, candidates: Sequence[VictimView],
@@ -221,6 +225,10 @@ class TierserveSettings:
     # Prefix blocks of waiting tier-0/1 requests are kept out of cache eviction; off:
     # plain LRU.
     reuse_eviction: bool = True
+    # A waiting request below tier 0 preempts only once its slack no longer covers the
+    # wait for the memory the running decodes release as they finish; off: as soon as it
+    # finds no room.
+    preempt_when_late: bool = True
 
     def __post_init__(self) -> None:
         from scheduler.ordering import ORDERING_POLICIES
@@ -241,6 +249,10 @@ class TierservePolicy(SchedulingPolicy):
     # Admit while the predicted milestone is within this fraction past the target: a
     # request that waits much longer misses anyway and only takes capacity from others.
     ADMISSION_TOLERANCE = 0.25
+    # A waiting request holds off preempting while its slack is this many times the
+    # predicted wait for released memory (a decode's release is an estimate from its
+    # expected output, and the running decodes grow meanwhile).
+    WAIT_MARGIN = 2.0
 
     def __init__(self, ctx: PolicyContext, settings: TierserveSettings | None = None, *,
                  decode_headroom: float = 0.05) -> None:
@@ -249,7 +261,13 @@ class TierservePolicy(SchedulingPolicy):
         self.watcher = DeadlineWatcher(ctx.tiers)
         self.ordering: OrderingPolicy = make_ordering(s.ordering, ctx.tiers, ctx.est,
                                                       self.watcher)
-        self.admission = AdmissionController(ctx.tiers, ctx.est, tolerance=self.ADMISSION_TOLERANCE)
+        # Tier 0 is never turned away by a prediction: a false rejection is a certain miss
+        # of the tier the cluster exists to protect (and it would shed every tier for a
+        # window), while a tier-0 request queued past its deadline is served after the
+        # feasible ones and may preempt every later tier. The later tiers are shed.
+        self.admission = AdmissionController(
+            ctx.tiers, ctx.est, tolerance=self.ADMISSION_TOLERANCE,
+            reject_tiers=frozenset(range(1, ctx.tiers.num_tiers)))
         self.fair = FairShareController(ctx.tiers)
         self.ledger = ShareLedger(ctx.tiers.num_tiers)
         self.tails = TailTracker(ctx.tiers.num_tiers)
@@ -360,7 +378,17 @@ class TierservePolicy(SchedulingPolicy):
                               scorer=self.scorer, modes=self.modes)
 
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
-                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+                    candidates: Sequence[VictimView], now: float,
+                    wait_s: float | None = None) -> PreemptionPlan | None:
+        if (self.settings.preempt_when_late and wait_s is not None
+                and req.tier > 0
+                and slack_s(req, now, self.tiers, self.ctx.est) > self.WAIT_MARGIN * wait_s):
+            # The memory comes back by itself before the request's deadline needs it: a
+            # preemption now would only trade a victim's restore (and, for a recompute,
+            # prefill work that competes with every first token) for time it can spare.
+            # The most urgent tier preempts at once: the release is a guess, its miss is
+            # not.
+            return None
         plan = self._victims(max(need_blocks - free_blocks, 0), candidates, now, req.tier)
         threshold = self.tiers[req.tier].preempt_threshold
         if not plan.victims or not should_preempt_now(need_blocks, free_blocks, plan.num_freed,

@@ -97,7 +97,8 @@ class _SglangPolicy(SchedulingPolicy):
             need_blocks)
 
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
-                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+                    candidates: Sequence[VictimView], now: float,
+                    wait_s: float | None = None) -> PreemptionPlan | None:
         gap = self.settings.priority_scheduling_preemption_threshold
         mine = self.priority(req)
         ok = [v for v in candidates if self.priority(v.req) - mine > gap]

@@ -47,7 +47,8 @@ class ThrashingPolicy(TierservePolicy):
                               costs=self.ctx.costs, est=self.ctx.est, scorer=self.scorer)
 
     def preempt_for(self, req: Request, need_blocks: int, free_blocks: int,
-                    candidates: Sequence[VictimView], now: float) -> PreemptionPlan | None:
+                    candidates: Sequence[VictimView], now: float,
+                    wait_s: float | None = None) -> PreemptionPlan | None:
         plan = self._victims(max(need_blocks - free_blocks, 0), candidates, req.tier, now)
         return plan if plan.victims else None
 

@@ -135,6 +135,61 @@ def test_tier0_without_decode_room_preempts_a_lower_tier_decode() -> None:
     assert plan.preempts[0].mode in (PreemptMode.SWAP, PreemptMode.RECOMPUTE)
 
 
+def _full_decode_worker(policy: str = "tierserve", blocks: int = 16,
+                        held: int = 14) -> ClusterScheduler:
+    """One decode worker of ``blocks`` blocks, ``held`` of them held by a decoding tier-3
+    request."""
+    cs = make_cluster(decode_blocks=blocks, policy=policy)
+    submit(cs, "low", 3, held * BS - 20, now=0.0)
+    assert dispatch_all(cs, 0.0) == ["low"]
+    cs.on_report(WorkerReport("p0", 256, 256, events=(
+        ReqEvent("low", WorkerEvent.PREFILL_DONE, 0.5),)), 0.5)
+    cs.on_report(WorkerReport("d0", blocks - held, blocks, events=(
+        ReqEvent("low", WorkerEvent.DECODE_START, 0.6),),
+        running=(RunningReq("low", held, 1),)), 0.6)
+    return cs
+
+
+def test_blocks_a_more_urgent_request_waits_for_do_not_go_to_a_smaller_later_one() -> None:
+    cs = _full_decode_worker(blocks=64, held=40)  # 24 free
+    submit(cs, "small", 2, 20, now=1.0)  # 2 blocks: fits, its tier's reserve too
+    alone = _full_decode_worker(blocks=64, held=40)
+    submit(alone, "small", 2, 20, now=1.0)
+    assert [d.req_id for d in alone.plan(1.0).dispatches] == ["small"]
+    submit(cs, "big", 1, 470, now=1.0)  # 30 blocks: no room
+    assert "small" not in [d.req_id for d in cs.plan(1.0).dispatches]
+
+
+def test_a_batch_tier_waits_for_released_memory_while_its_slack_covers_the_wait() -> None:
+    # "low" ends within its 16 tokens: a 60 s batch request waits for its blocks...
+    cs = _full_decode_worker()
+    submit(cs, "batch", 2, 150, now=1.0)
+    assert not cs.plan(1.0).preempts
+    # ...and preempts at once with the mechanism off, as tier 0 always does.
+    eager = _full_decode_worker("tierserve:preempt_when_late=false")
+    submit(eager, "batch", 2, 150, now=1.0)
+    assert [p.req_id for p in eager.plan(1.0).preempts] == ["low"]
+
+
+def test_tierserve_admission_never_turns_tier0_away_but_rejects_the_later_tiers() -> None:
+    from scheduler.admission import AdmissionKind, LoadSnapshot
+    from scheduler.policies import make_policy
+    from scheduler.policy import PolicyContext
+    from scheduler.step_costs import StepCosts
+
+    costs = StepCosts((0.02, 2e-3, 0.0, 3e-3, 0.0))
+    policy = make_policy("tierserve", PolicyContext(cpu_tiers(), costs, make_costs(), BS))
+    # Decode memory spoken for by 1,000 blocks of queued tier-0 work, freed at 200 a
+    # second: a 5 s wait for blocks, far past tier 0's 1 s and tier 1's 4 s.
+    full = LoadSnapshot([0.0] * 4, 1, False, kv_queued_blocks_by_tier=[1000, 0, 0, 0],
+                        kv_held_blocks_by_tier=[0, 0, 0, 0], kv_free_blocks=0,
+                        kv_release_blocks_per_s=200.0, block_size=BS)
+    top = policy.admit(make_request("t0", tier=0, arrival=0.0, prompt=160), 0.0, full)
+    assert top.kind is AdmissionKind.QUEUE and top.predicted_s > 1.0
+    t1 = policy.admit(make_request("t1", tier=1, arrival=0.0, prompt=160), 0.0, full)
+    assert t1.kind is AdmissionKind.REJECT
+
+
 def test_worker_events_walk_the_state_machine_to_the_end() -> None:
     cs = make_cluster()
     submit(cs, "a", 0, 50, now=0.0)
