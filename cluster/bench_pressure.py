@@ -35,6 +35,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 TIER_MIX = (0.2, 0.2, 0.3, 0.3)
@@ -121,8 +122,10 @@ def cluster_config(args: argparse.Namespace, model: str, policy: str,
         *args.set, *extra, f"scheduling.policy={policy}"], environ={}).resolve_presets()
 
 
-async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: str) -> list[Any]:
-    """Every arrival at its time (open loop) through the backend; one Outcome each."""
+async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: str,
+                status: Callable[[], Awaitable[str]] | None = None) -> list[Any]:
+    """Every arrival at its time (open loop) through the backend; one Outcome each.
+    ``status``: more for each progress line (the cluster's queue and memory)."""
     from cluster.http_replay import Outcome
     from router.backend import BackendError, GenerationSpec, SamplingSpec
 
@@ -160,8 +163,14 @@ async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: st
         while True:
             await asyncio.sleep(PROGRESS_S)
             done = sum(t.done() for t in tasks)
+            more = ""
+            if status is not None:
+                try:
+                    more = f"; {await status()}"
+                except Exception as e:  # a slow answer costs the line its detail only
+                    more = f"; (no status: {type(e).__name__})"
             print(f"  {tag}: {done}/{len(tasks)} requests ended after "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
+                  f"{time.perf_counter() - start:.0f} s{more}", flush=True)
 
     start = time.perf_counter()
     tasks = [asyncio.ensure_future(one(i, a)) for i, a in enumerate(arrivals)]
@@ -170,6 +179,17 @@ async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: st
         return list(await asyncio.gather(*tasks))
     finally:
         ticker.cancel()
+
+
+async def _status_line(handles: Any) -> str:
+    """Queued and live requests, and per decode worker its free and promised blocks and
+    the swap space in use."""
+    stats = await asyncio.wait_for(_stats(handles), 5)
+    swap = stats["kv_memory"]["workers"]
+    parts = [f"{wid.rsplit('-', 2)[-2][0]}{wid.rsplit('-', 1)[-1]} free {w['free']}"
+             f" promised {w.get('promised', 0)} swap {swap.get(wid, {}).get('swap_used') or 0}"
+             for wid, w in sorted(stats["workers"].items()) if w["role"] == "decode"]
+    return f"queued {stats['num_queued']}, live {stats['num_live']}; " + ", ".join(parts)
 
 
 def _leaked(stats: dict[str, Any]) -> int:
@@ -345,7 +365,8 @@ def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> d
         base = (await _idle(handles, 60))["kv_memory"]
         arrivals = workload(rate, args.duration, args.seed)
         t0 = time.perf_counter()
-        outcomes = await drive(backend, arrivals, args.request_timeout, f"{policy}-{rate}")
+        outcomes = await drive(backend, arrivals, args.request_timeout, f"{policy}-{rate}",
+                               lambda: _status_line(handles))
         wall = time.perf_counter() - t0
         stats = await _idle(handles, 120)
         summary = summarize(outcomes, cfg.tier_config, args.duration, policy, "in-process")
@@ -356,6 +377,7 @@ def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> d
                 key = (o.error or "?")[:80]
                 reasons[key] = reasons.get(key, 0) + 1
         result["error_reasons"] = reasons
+        result["tier0_misses"] = await _explain_misses(handles, outcomes, cfg.tier_config)
         result.update(rate=rate, wall_s=wall, requests=len(outcomes))
         return result
 
@@ -363,6 +385,25 @@ def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> d
         return asyncio.run(scenario())
     finally:
         _stop(handles)
+
+
+MAX_EXPLAINED = 20  # tier-0 misses explained per run (``tierserve why``)
+
+
+async def _explain_misses(handles: Any, outcomes: list[Any], tiers: Any) -> list[dict[str, Any]]:
+    """Each tier-0 request that missed its target, why (its ``tierserve why`` text)."""
+    from cluster.http_replay import miss_reason
+    from cluster.messages import unpack
+
+    out = []
+    for o in outcomes:
+        reason = miss_reason(tiers[0], o) if o.tier == 0 else None
+        if reason is None or len(out) >= MAX_EXPLAINED:
+            continue
+        report = unpack(await asyncio.wait_for(handles.scheduler.why.remote(o.req_id), 30))
+        out.append({"req_id": o.req_id, "miss": reason, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
+                    "error": o.error, "why": report["text"] if report else None})
+    return out
 
 
 def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
@@ -377,6 +418,9 @@ def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
         "tiers": tiers,
         "errors": summary["errors"], "rejected": summary["rejected"],
         "preemptions": {m: kv["preemptions"][m] - base["preemptions"][m] for m in modes},
+        # Of those, what the global scheduler ordered for waiting requests, by the
+        # victim's "tier:mode" (the rest are the workers' own, for their decodes' growth).
+        "preempted_for_arrivals": stats["preemptions"],
         "restore_ms": {m: kv["restore"][m].get("mean_ms") for m in modes},
         "restore": kv["restore"],
         "restore_by_class": kv["restore_by_class"],

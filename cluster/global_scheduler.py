@@ -546,6 +546,8 @@ class GlobalScheduler:
                               "total": w.info.num_kv_blocks, "domain": w.info.domain,
                               # requests decoding (or reserved) here / prefilling here
                               "num_held": len(w.held), "num_prefilling": len(w.prefill_left),
+                              # blocks dispatches and migrations in flight will take here
+                              "promised": w.num_promised,
                               "node": w.info.node,
                               "role": "decode" if w.can_decode else "prefill",
                               "step_costs": list(w.costs.coefficients)}

@@ -47,6 +47,22 @@ def slo_met(spec: TierSpec, o: Outcome) -> bool:
     return spec.e2e_s is None or o.e2e_s <= spec.e2e_s
 
 
+def miss_reason(spec: TierSpec, o: Outcome) -> str | None:
+    """Why ``o`` missed its tier's target (None: it met it): rejected, error, ttft,
+    tpot or e2e, the first that applies."""
+    if slo_met(spec, o):
+        return None
+    if o.is_rejected:
+        return "rejected"
+    if not o.ok or o.ttft_s is None or o.e2e_s is None:
+        return "error"
+    if spec.ttft_s is not None and o.ttft_s > spec.ttft_s:
+        return "ttft"
+    if spec.tpot_s is not None and o.tpot_s is not None and o.tpot_s > spec.tpot_s:
+        return "tpot"
+    return "e2e"
+
+
 def _scale(values: np.ndarray, target: int) -> np.ndarray:
     p99 = float(np.percentile(values, 99)) if len(values) else 1.0
     return np.clip(np.rint(values * (target / max(p99, 1.0))), 1, target).astype(int)
@@ -104,6 +120,14 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     return Outcome(tier, True, first - t0, tpot, last - t0, n, req_id=req_id)
 
 
+def _count(keys: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in keys:
+        if k is not None:
+            out[k] = out.get(k, 0) + 1
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
@@ -126,6 +150,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "attainment": met / len(mine) if mine else None,
+            "misses": _count(miss_reason(tiers[t], o) for o in mine),
             "goodput_rps": met / duration_s if duration_s > 0 else 0.0,
         }
     return out

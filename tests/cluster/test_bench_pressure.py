@@ -54,3 +54,16 @@ def test_the_headline_is_the_lowest_rate_where_a_peer_misses_tier_0() -> None:
     assert _headline(by_rate, ["tierserve", "vllm-priority"]) == 2.0
     assert _headline({"1.0": runs(1.0, 1.0), "2.0": runs(1.0, 0.95)},
                      ["tierserve", "vllm-priority"]) == 2.0
+
+
+def test_a_miss_is_named_by_the_first_target_it_broke() -> None:
+    from cluster.http_replay import REJECTED_STATUS, Outcome, miss_reason
+    from scheduler.tiers import default_tiers
+
+    top, batch = default_tiers()[0], default_tiers()[2]  # 200 ms / 50 ms; 30 s end to end
+    assert miss_reason(top, Outcome(0, True, 0.1, 0.01, 1.0, 10)) is None
+    assert miss_reason(top, Outcome(0, False, status=REJECTED_STATUS)) == "rejected"
+    assert miss_reason(top, Outcome(0, False, error="timeout")) == "error"
+    assert miss_reason(top, Outcome(0, True, 0.3, 0.09, 1.0, 10)) == "ttft"
+    assert miss_reason(top, Outcome(0, True, 0.1, 0.09, 1.0, 10)) == "tpot"
+    assert miss_reason(batch, Outcome(2, True, 5.0, 0.5, 31.0, 10)) == "e2e"
