@@ -182,14 +182,17 @@ async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: st
 
 
 async def _status_line(handles: Any) -> str:
-    """Queued and live requests, and per decode worker its free and promised blocks and
-    the swap space in use."""
+    """Queued requests (by tier), live ones, those the prefill workers hold, and per decode
+    worker its free and promised blocks and the swap space in use."""
     stats = await asyncio.wait_for(_stats(handles), 5)
     swap = stats["kv_memory"]["workers"]
     parts = [f"{wid.rsplit('-', 2)[-2][0]}{wid.rsplit('-', 1)[-1]} free {w['free']}"
              f" promised {w.get('promised', 0)} swap {swap.get(wid, {}).get('swap_used') or 0}"
              for wid, w in sorted(stats["workers"].items()) if w["role"] == "decode"]
-    return f"queued {stats['num_queued']}, live {stats['num_live']}; " + ", ".join(parts)
+    by_tier = "/".join(str(stats.get("queued_by_tier", {}).get(str(t), 0)) for t in range(4))
+    pre = sum(w["num_prefilling"] for w in stats["workers"].values() if w["role"] == "prefill")
+    return (f"queued {stats['num_queued']} (by tier {by_tier}), live {stats['num_live']}, "
+            f"prefilling {pre}; " + ", ".join(parts))
 
 
 def _leaked(stats: dict[str, Any]) -> int:

@@ -535,6 +535,7 @@ class GlobalScheduler:
             "mode": self.core.mode.value,
             "num_live": len(self.core.live),
             "num_queued": len(self.core.queue),
+            "queued_by_tier": _count(r.tier for r in self.core.waiting()),
             # Live requests by state, and by where they run ("prefill->decode" workers).
             "live_states": _count(req.state.value for req, _, _ in self.core.entries()),
             "live_placements": _count(f"{req.prefill_worker_id}->{req.decode_worker_id}"
