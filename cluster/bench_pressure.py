@@ -186,8 +186,8 @@ async def _status_line(handles: Any) -> str:
     worker its free and promised blocks and the swap space in use."""
     stats = await asyncio.wait_for(_stats(handles), 5)
     swap = stats["kv_memory"]["workers"]
-    parts = [f"{wid.rsplit('-', 2)[-2][0]}{wid.rsplit('-', 1)[-1]} free {w['free']}"
-             f" promised {w.get('promised', 0)} swap {swap.get(wid, {}).get('swap_used') or 0}"
+    parts = [f"{wid} free {w['free']} promised {w['promised']} swap "
+             f"{swap.get(wid, {}).get('swap_used') or 0}"
              for wid, w in sorted(stats["workers"].items()) if w["role"] == "decode"]
     by_tier = "/".join(str(stats.get("queued_by_tier", {}).get(str(t), 0)) for t in range(4))
     pre = sum(w["num_prefilling"] for w in stats["workers"].values() if w["role"] == "prefill")

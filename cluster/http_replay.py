@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,14 +121,6 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     return Outcome(tier, True, first - t0, tpot, last - t0, n, req_id=req_id)
 
 
-def _count(keys: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in keys:
-        if k is not None:
-            out[k] = out.get(k, 0) + 1
-    return out
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
@@ -150,7 +143,7 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "attainment": met / len(mine) if mine else None,
-            "misses": _count(miss_reason(tiers[t], o) for o in mine),
+            "misses": dict(Counter(r for o in mine if (r := miss_reason(tiers[t], o)))),
             "goodput_rps": met / duration_s if duration_s > 0 else 0.0,
         }
     return out

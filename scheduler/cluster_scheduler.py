@@ -695,10 +695,10 @@ class ClusterScheduler:
             soon_free = w.free_blocks + sum(w.preempting.values())
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
-            cands = self._victim_views(w, decode)
+            release = self._release_rate(w)
+            cands = self._victim_views(w, decode, release)
             if not cands:
                 continue
-            release = self._release_rate(w)
             wait = max(need - soon_free, 0) / release if release else None
             plan = self.policy.preempt_for(req, need, soon_free, cands, now, wait_s=wait)
             if plan is None or not plan.victims:
@@ -723,13 +723,14 @@ class ClusterScheduler:
                 e.req.last_preempt_time = now
             return
 
-    def _victim_views(self, w: WorkerSlot, decode: list[WorkerSlot]) -> list[VictimView]:
+    def _victim_views(self, w: WorkerSlot, decode: list[WorkerSlot],
+                      release: float | None) -> list[VictimView]:
         """``w``'s decoding requests as victims, priced by where their blocks are: the
         prefix blocks another request there shares (not freed, not recomputed), the room
         of ``w``'s swap space, how long until ``w`` could take it back, and (with
         migration) the peer decode worker it could move to now (the policy's
         ``place_migration``: the cheapest move to a worker with room), with the blocks
-        the peer already caches."""
+        the peer already caches. ``release``: ``w``'s :meth:`_release_rate`."""
         rids = [rid for rid in w.held if rid in self.live
                 and self.live[rid].req.state is S.DECODING and rid not in w.preempting
                 and self.live[rid].migrate_to is None]
@@ -737,7 +738,6 @@ class ClusterScheduler:
             return []
         peers = ([p for p in decode if p is not w and p.is_alive and not p.preempting]
                  if self.migration else [])
-        release = self._release_rate(w)
         out = []
         for rid in rids:
             r = self.live[rid].req
