@@ -6,9 +6,11 @@ for a tier with an end-to-end target its decode too). One is the prefill work
 queued ahead of it, spread over the prefill workers: all of the more urgent tiers'
 (a hopeless request is never ordered behind a less urgent tier, DESIGN §5) and its
 own tier's up to one deadline window (its tier's hopeless requests go behind it). The other is the wait for decode memory: the KV
-blocks that queued requests of its own and more urgent tiers want, plus its own,
-beyond what is free or held by tiers it may preempt, drained at the rate the
-running requests release blocks. Prefill is rarely the bottleneck when prompts
+blocks that queued requests of more urgent tiers want, those of its own tier up to
+what the running requests release in one deadline window (the rest of its tier is
+hopeless and goes behind it, as with the prefill work), plus its own, beyond what is
+free or held by tiers it may preempt, drained at the rate the running requests
+release blocks. Prefill is rarely the bottleneck when prompts
 are long and KV is short; without the second term admission let in requests
 that then waited past their tier's starvation bound for decode memory. If
 that fits its deadline it is accepted (capacity free now) or queued (capacity
@@ -54,6 +56,10 @@ class AdmissionDecision:
     reason: AdmissionReason
     predicted_s: float  # predicted time from now to the request's first milestone
     retry_after_s: float | None = None
+    # A rejection whose wait alone (the work ahead, without the request's own) misses the
+    # target: every arrival of its tier would be rejected too until that work drains, so
+    # the tier may be shed for a moment without asking again (never a feasible request).
+    sheds_tier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +107,8 @@ class AdmissionController:
         ahead = (sum(backlog[:t]) + min(backlog[t] if t < len(backlog) else 0.0,
                                         self.tiers[t].deadline_s * workers)) / workers
         own = remaining_work_s(req, self.tiers, self.est)
-        predicted = max(ahead, self.kv_wait_s(req, load)) + own
+        wait = max(ahead, self.kv_wait_s(req, load))
+        predicted = wait + own
         budget = deadline(req, self.tiers) - now
         if predicted <= budget:
             kind = AdmissionKind.ACCEPT if load.has_capacity_now else AdmissionKind.QUEUE
@@ -114,7 +121,8 @@ class AdmissionController:
                 and predicted > budget * (1.0 + self.tolerance)):
             retry = max(predicted - budget, 0.0)
             return AdmissionDecision(AdmissionKind.REJECT, AdmissionReason.NO_SLO_HEADROOM,
-                                     predicted, retry_after_s=retry)
+                                     predicted, retry_after_s=retry,
+                                     sheds_tier=wait > budget * (1.0 + self.tolerance))
         return AdmissionDecision(AdmissionKind.QUEUE, AdmissionReason.FEASIBLE_LATER, predicted)
 
     def kv_wait_s(self, req: Request, load: LoadSnapshot) -> float:
@@ -124,7 +132,11 @@ class AdmissionController:
             return 0.0
         t = req.tier
         own = -(-(req.prompt_len + 1) // max(load.block_size, 1))
-        need = sum(load.kv_queued_blocks_by_tier[: t + 1]) + own
+        queued = load.kv_queued_blocks_by_tier
+        # Of its own tier, only what can still be served within one deadline window is
+        # ahead of it (the hopeless rest is ordered behind it, DESIGN §5).
+        same = queued[t] if t < len(queued) else 0
+        need = sum(queued[:t]) + min(same, rate * self.tiers[t].deadline_s) + own
         # Tiers after this one can be preempted for it (swap, recompute or migrate).
         avail = load.kv_free_blocks + sum(load.kv_held_blocks_by_tier[t + 1:])
         return max(need - avail, 0) / rate

@@ -10,8 +10,8 @@ same policy in :mod:`scheduler.step_planner`.
 Life of a request here (STYLE.md item 7):
 
 1. ``submit``: admission by the policy (accept into the wait queue, or reject with a
-   retry-after; a rejection of tier t sheds tiers t and after for a short window, so
-   lower tiers are shed first and the routers can shed before any RPC).
+   retry-after; a rejection whose work ahead alone misses the target sheds its tier for
+   a short window, so the routers can shed before any RPC; no feasible request is shed).
 2. ``plan``: the wait queue offers requests in policy order; each gets a route (a prefill
    worker and a decode worker, or, in ``aggregated``/``auto`` mode, a prefill on the
    decode worker itself) and its decode blocks, within the policy's dispatch horizon
@@ -78,7 +78,7 @@ from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_cl
 
 S = RequestState
 D = Decision
-# Longest a rejection sheds its tier (and the tiers after it) before admission looks again.
+# Longest a rejection sheds its tier before admission looks again.
 SHED_WINDOW_S = 0.5
 # A preemption order neither reported nor answered within this is forgotten.
 PREEMPT_ANSWER_S = 2.0
@@ -502,9 +502,12 @@ class ClusterScheduler:
         decision = self.policy.admit(req, now, self._load(full=self.policy.reads_load))
         if decision.kind is AdmissionKind.REJECT:
             retry = decision.retry_after_s or 1.0
-            until = now + min(retry, SHED_WINDOW_S)
-            for t in range(nr.tier, self.tiers.num_tiers):
-                self._shed_until[t] = max(self._shed_until[t], until)
+            if decision.sheds_tier:
+                # The work ahead alone misses this tier's target: its next arrivals would
+                # be rejected too, so the routers may answer them without asking. Only
+                # this tier: a later tier's target is judged on its own.
+                until = now + min(retry, SHED_WINDOW_S)
+                self._shed_until[nr.tier] = max(self._shed_until[nr.tier], until)
             return self._reject(req, now, decision.reason.value, retry)
         self.policy.record_demand(req.tier, req.prompt_len + self.outputs.expected(req), now)
         self.live[req.req_id] = _Entry(req, nr.router_id)

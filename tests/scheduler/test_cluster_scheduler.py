@@ -99,7 +99,7 @@ def test_refused_dispatch_goes_back_to_the_queue() -> None:
     assert plan.dispatches
 
 
-def test_rejection_sheds_its_tier_and_every_less_urgent_tier_first() -> None:
+def test_a_rejection_sheds_no_other_tier_and_no_feasible_request() -> None:
     cs = make_cluster()
     # Flood tier 1 until admission refuses (its 4 s TTFT cannot be met).
     outcome = None
@@ -109,12 +109,27 @@ def test_rejection_sheds_its_tier_and_every_less_urgent_tier_first() -> None:
             break
     assert outcome is not None and outcome.outcome is SubmitOutcome.REJECTED
     assert outcome.retry_after_s and outcome.retry_after_s > 0
-    shed = cs.shed_s_by_tier(0.0)
-    assert shed[0] == 0.0 and shed[1] > 0 and shed[2] > 0 and shed[3] > 0
-    # While tier 1 is shed, tier 3 is shed too (never a tier-1 429 while tier 3 is served),
-    # and tier 0 is still admitted.
-    assert submit(cs, "low", 3, 10, now=0.01).outcome is SubmitOutcome.REJECTED
+    # The tier-1 work ahead of it fits one deadline window: only its own prompt made it
+    # miss, so a shorter tier-1 prompt is still judged (no window sheds it), and the
+    # later tiers are judged against their own targets (a 300 s tier is not shed
+    # because a 4 s one is full).
+    assert cs.shed_s_by_tier(0.0) == (0.0, 0.0, 0.0, 0.0)
+    assert submit(cs, "low", 3, 10, now=0.01).accepted
     assert submit(cs, "top", 0, 10, now=0.01).accepted
+
+
+def test_a_rejection_whose_wait_alone_misses_sheds_its_own_tier_only() -> None:
+    cs = make_cluster()
+    # Tier-0 work far beyond tier 1's 4 s target: every tier-1 arrival misses whatever
+    # its own size, so the tier is shed for a moment; later tiers are judged on their own.
+    for i in range(300):
+        assert submit(cs, f"t{i}", 0, 2000, now=0.0).accepted  # tier 0 is never rejected
+    got = submit(cs, "one", 1, 16, now=0.0)
+    assert got.outcome is SubmitOutcome.REJECTED
+    shed = cs.shed_s_by_tier(0.0)
+    assert shed[1] > 0 and shed[0] == shed[2] == shed[3] == 0.0
+    assert submit(cs, "two", 1, 16, now=0.01).outcome is SubmitOutcome.REJECTED
+    assert submit(cs, "top", 0, 16, now=0.01).accepted
 
 
 def test_tier0_without_decode_room_preempts_a_lower_tier_decode() -> None:

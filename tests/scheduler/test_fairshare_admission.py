@@ -95,13 +95,20 @@ def test_admission_sees_decode_memory_when_prefill_is_idle() -> None:
     full = LoadSnapshot([0.0] * 4, 1, False, kv_queued_blocks_by_tier=[0, 1000, 0, 0],
                         kv_held_blocks_by_tier=[0, 0, 200, 0], kv_free_blocks=0,
                         kv_release_blocks_per_s=rate, block_size=16)
-    # Its own 101 blocks after tier 1's queued 1000, less the 200 tier 2 holds: 4.5 s.
-    assert adm.kv_wait_s(t1, full) == pytest.approx(901 / 200)
-    d = adm.decide(t1, 0.0, full)
+    # Of tier 1's queued 1000 blocks only what the running requests release in its 2 s
+    # window (400) is ahead of it (the rest is hopeless and goes behind it); with its own
+    # 101, less the 200 tier 2 holds: 1.5 s, within its target.
+    assert adm.kv_wait_s(t1, full) == pytest.approx(301 / 200)
+    assert adm.decide(t1, 0.0, full).kind is AdmissionKind.QUEUE
+    # Tier 0's queued 1000 blocks all run first: 6.5 s, past twice the target.
+    urgent = dataclasses.replace(full, kv_queued_blocks_by_tier=[1000, 1000, 0, 0])
+    assert adm.kv_wait_s(t1, urgent) == pytest.approx(1301 / 200)
+    d = adm.decide(t1, 0.0, urgent)
     assert d.kind is AdmissionKind.REJECT and d.retry_after_s == pytest.approx(
         d.predicted_s - 2.0)
-    assert adm.decide(t0, 0.0, full).kind is AdmissionKind.QUEUE
-    light = dataclasses.replace(full, kv_queued_blocks_by_tier=[0, 200, 0, 0])
+    assert d.sheds_tier  # the wait alone misses: every tier-1 arrival would
+    assert adm.decide(t0, 0.0, urgent).kind is AdmissionKind.QUEUE
+    light = dataclasses.replace(urgent, kv_queued_blocks_by_tier=[200, 200, 0, 0])
     assert adm.decide(t1, 0.0, light).kind is AdmissionKind.QUEUE
     unknown = dataclasses.replace(full, kv_release_blocks_per_s=None)
     assert adm.kv_wait_s(t1, unknown) == 0.0

@@ -42,11 +42,14 @@ def test_every_policy_completes_every_request_and_keeps_kv_within_budget() -> No
 
 def test_tierserve_holds_hard_invariants_under_memory_pressure() -> None:
     """Decode memory, not prefill, is the bottleneck here: admission must see it, or
-    tier-1 requests queue for KV past their 30 s starvation bound."""
+    tier-1 requests queue for KV past their 30 s starvation bound; it must not turn away
+    what could still meet its target either (issue 22: rejections cost goodput)."""
     sim, run = _run("tierserve", load=1.5)
     assert run["preemptions"] > 0  # the scenario does exercise preemption
     assert all(v == 0 for v in run["violations"].values()), run["violations"]
-    assert run["tiers"]["1"]["rejected"] > 0  # the bound holds by saying no early
+    _, loose = _run("tierserve:admission=false", load=1.5)
+    for t, got in run["tiers"].items():
+        assert got["attainment"] >= loose["tiers"][t]["attainment"], t
 
 
 def test_tierserve_protects_tier0_and_tier1_under_memory_pressure() -> None:
@@ -59,9 +62,6 @@ def test_tierserve_protects_tier0_and_tier1_under_memory_pressure() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "open: admission's shed windows cost goodput when decode memory runs short "
-    "(measured 21.03 req/s against vllm-priority's 24.63; tierserve:admission=off 36.20)"))
 def test_tierserve_goodput_under_memory_pressure_is_at_least_the_peers() -> None:
     _, ours = _run("tierserve", load=1.5)
     for peer in ("vllm-fcfs", "vllm-priority"):
