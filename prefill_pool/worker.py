@@ -9,10 +9,13 @@ Life of a request on a prefill worker (STYLE.md item 7):
 2. PREFILL: every step the policy picks the chunks (tier order and slack, within the
    step's token and time budget: a tier-0 arrival runs in the next step, ahead of a long
    lower-tier prompt) and the engine runs exactly those (``run_plan``, prefix-cache hits
-   skip shared blocks); the blocks each chunk finishes are pushed to the producer at
-   once, so the send of chunk k overlaps the compute of chunk k+1. Cached blocks that
-   prefix requests still waiting here (as the policy names them: tierserve's tiers 0 and
-   1) are evicted only after every other reusable block.
+   skip shared blocks). A prompt's first chunk admits it with all of its blocks; the
+   planner is told them after every step, so its later chunks need no free block (a
+   prompt paused between chunks keeps its blocks and resumes whenever the policy picks it
+   again). The blocks each chunk finishes are pushed to the producer at once, so the
+   send of chunk k overlaps the compute of chunk k+1. Cached blocks that prefix requests
+   still waiting here (as the policy names them: tierserve's tiers 0 and 1) are evicted
+   only after every other reusable block.
 3. FIRST TOKEN: the step that ends a prompt samples its first token (one per sequence of
    an ``n > 1`` request, with their logprobs and the prompt's when asked); the first
    tokens of one step go to each decode worker as one ``PrefilledBatch`` (PREFILL_DONE is
@@ -210,14 +213,17 @@ class PrefillWorker:
             return
         self._stepping = [rid for rid, _ in plan.chunks]
         t0 = time.perf_counter()
-        outs, refused, computed, events = await self._thread.call(self._run, list(plan.chunks),
-                                                                  self._protect())
+        outs, refused, blocks, computed, events = await self._thread.call(
+            self._run, list(plan.chunks), self._protect())
         seconds: float | None = time.perf_counter() - t0
         if any(o.error is not None for o in outs):
             seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         self._block_events.extend(events)
-        self.sched.commit(plan, now, seconds=seconds, refused=refused, computed=computed,
-                          decodes_here=False)
+        # The blocks too: a started prompt holds all of its blocks (the engine admits it
+        # with them), and a planner that is not told asks for them again before each of
+        # its next chunks, which it then never gets while the prompt itself holds them.
+        self.sched.commit(plan, now, seconds=seconds, refused=refused, blocks=blocks,
+                          computed=computed, decodes_here=False)
         self.num_steps += 1
         firsts: dict[str, list[Prefilled]] = {}
         seqs: dict[str, list[Any]] = {}  # req_id -> its sequences' first-token outputs
@@ -266,13 +272,19 @@ class PrefillWorker:
         return hashes
 
     def _run(self, chunks: list[tuple[str, int]], protect: frozenset[int] | None = None
-             ) -> tuple[list[Any], list[str], dict[str, int], list[BlockEvent]]:
+             ) -> tuple[list[Any], list[str], dict[str, int], dict[str, int], list[BlockEvent]]:
+        """On the engine thread: the step, then each chunk's request as the planner tracks
+        it (its blocks and its tokens with KV)."""
         if protect is not None:
             self.engine.protect_prefixes(protect)
         outs, refused = self.engine.run_plan([], chunks)
-        computed = {rid: self.engine.num_computed_tokens(rid) for rid, _ in chunks
-                    if self.engine.request_state(rid) is not None}
-        return outs, refused, computed, block_events(self.engine.drain_events())
+        blocks: dict[str, int] = {}
+        computed: dict[str, int] = {}
+        for rid, _ in chunks:
+            if self.engine.request_state(rid) is not None:
+                blocks[rid] = len(self.engine.block_ids(rid))
+                computed[rid] = self.engine.num_computed_tokens(rid)
+        return outs, refused, blocks, computed, block_events(self.engine.drain_events())
 
     async def _send(self, decode_worker_id: str, batch: PrefilledBatch) -> None:
         try:
