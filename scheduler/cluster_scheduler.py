@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
@@ -72,6 +72,7 @@ from scheduler.request import (
     RequestState,
     transition,
 )
+from scheduler.reserves import growth_blocks
 from scheduler.step_costs import CPU_PRIOR, StepCosts
 from scheduler.tiers import TierConfig
 from scheduler.topology import LinkCosts, TopologyClass, WorkerInfo, topology_class
@@ -370,6 +371,11 @@ class ClusterScheduler:
         # reads them on every arrival).
         self._queued = PrefillBook(tiers.num_tiers, chunk_tokens, block_size)
         self.num_preemptions = 0
+        self._dviews: dict[str, DecodeView] = {}
+        # Work conservation at run time (``work_conservation_s``): per tier, the seconds
+        # counted so far, and when the open episode began (None: none open).
+        self.unplaced_fit_s = [0.0] * tiers.num_tiers
+        self._unplaced_since: list[float | None] = [None] * tiers.num_tiers
 
     def new_costs(self) -> StepCosts:
         return StepCosts(self.cost_prior, chunk_tokens=self.chunk_tokens)
@@ -556,11 +562,17 @@ class ClusterScheduler:
             self._last_tick = now
             self.policy.tick(now, self.queue.requests())
         dispatches: list[DispatchOrder] = []
-        # Each worker's queued prefill work, computed once per plan (a dispatch to the
-        # worker recomputes it), not once per request offered.
+        # Each worker's queued prefill work and decode view, computed once per plan (a
+        # dispatch to the worker recomputes them), not once per request offered.
         self._backlogs = {}
+        self._dviews = {}
         if len(self.queue):
-            blocked: dict[int, int] = {}  # tier -> smallest need that found no room
+            # Per decode worker, the requests that found no room there, each with the
+            # blocks it claims (its need, up to what was free for it): blocks released for
+            # a more urgent request do not go to less urgent ones that fit sooner, or a
+            # large prompt would wait forever; the other workers' free blocks still serve
+            # every tier (work conservation).
+            blocked: dict[str, list[tuple[int, int, int]]] = {}
 
             def accept(req: Request) -> Verdict:
                 order = self._route(req, now, blocked)
@@ -578,17 +590,102 @@ class ClusterScheduler:
                 self.queue.take(now, recording(accept, offers))
                 self.on_pick(Pick(PickSite.DISPATCH, "", now, tuple(offers),
                                   unconsidered(candidates, offers)))
+        self._watch_conservation(now)
         aborts, self._aborts = self._aborts, []
         preempts, self._preempts = self._preempts, []
         return Plan(tuple(dispatches), tuple(preempts), tuple(aborts))
 
-    def _route(self, req: Request, now: float, blocked: dict[int, int]) -> DispatchOrder | None:
+    # -- work conservation -------------------------------------------------------------
+
+    def unplaced_fits(self) -> list[tuple[Request, str]]:
+        """Waiting requests that the current view says fit a decode worker (its free
+        blocks, less the blocks more urgent waiting requests claim there, less the
+        policy's ``decode_reserve``) with a prefill site within the policy's dispatch
+        horizon, each with that worker: right after a plan of a work-conserving policy
+        there must be none (``scheduler.invariants.check_work_conservation``).
+
+        Independent of how ``plan`` walks its queue: requests are taken by (tier, need),
+        and each that does not fit claims what is free for it on the worker with the most
+        (as ``_route`` does for a request it cannot place)."""
+        self._dviews, self._backlogs = {}, {}
+        waiting = [r for r in self.queue.requests() if r.state is S.QUEUED
+                   and r.req_id in self.live and not self.live[r.req_id].is_dispatching]
+        if not waiting:
+            return []
+        decode = self._decode_slots()
+        remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
+        if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
+            return []
+        bs = self.block_size
+        claims: dict[str, list[tuple[int, int, int]]] = {}
+        out = []
+        for r in sorted(waiting, key=lambda r: (r.tier, r.num_context_tokens)):
+            need = -(-(r.num_context_tokens + 1) // bs)
+            horizon = self.policy.dispatch_horizon_s(r)
+            fits = None
+            room = []
+            for w in decode:
+                free = self._usable(w, r.tier, need, claims)
+                room.append((free, w))
+                if fits is not None:
+                    continue
+                view = self._dview(w, free)
+                if free - need < self.policy.decode_reserve(r.tier, view):
+                    continue
+                sites = remote if self.mode is PoolMode.DISAGGREGATED else [*remote, w]
+                if horizon is None or any(self._backlog(p)[0] <= horizon for p in sites):
+                    fits = w
+            if fits is not None:
+                out.append((r, fits.worker_id))
+                continue
+            free, w = max(room, key=lambda fw: fw[0])
+            claims.setdefault(w.worker_id, []).append((r.tier, need, max(min(need, free), 0)))
+        return out
+
+    def _watch_conservation(self, now: float) -> None:
+        """The runtime side of the invariant: per tier, the seconds past one planning
+        interval that a waiting request fitted a worker and was not placed."""
+        if not self.policy.work_conserving:
+            return
+        tiers = {r.tier for r, _ in self.unplaced_fits()}
+        step = self.tiers.control_interval_s
+        for t in range(self.tiers.num_tiers):
+            since = self._unplaced_since[t]
+            if t in tiers:
+                if since is None:
+                    self._unplaced_since[t] = now
+            elif since is not None:
+                self.unplaced_fit_s[t] += max(now - since - step, 0.0)
+                self._unplaced_since[t] = None
+
+    def work_conservation_s(self, now: float) -> tuple[float, ...]:
+        """Per tier, the seconds past one planning interval that a waiting request fitted
+        a decode worker (free blocks less the policy's reserve, a prefill site with room)
+        and was not placed, including an episode still open at ``now``."""
+        step = self.tiers.control_interval_s
+        return tuple(s + (0.0 if since is None else max(now - since - step, 0.0))
+                     for s, since in zip(self.unplaced_fit_s, self._unplaced_since,
+                                         strict=True))
+
+    def _usable(self, w: WorkerSlot, tier: int, need: int,
+                claims: dict[str, list[tuple[int, int, int]]]) -> int:
+        """``w``'s free blocks for a request of ``tier`` needing ``need``: less what the
+        waiting requests that go before it claim there (a more urgent one whatever its
+        size, an as urgent one no larger)."""
+        held = sum(b for t, n, b in claims.get(w.worker_id, ())
+                   if t < tier or (t == tier and n <= need))
+        return w.free_blocks - held
+
+    def _claim(self, req: Request, need: int, decode: list[WorkerSlot],
+               blocked: dict[str, list[tuple[int, int, int]]]) -> None:
+        """``req`` found no room: it claims what is free for it on the worker with most."""
+        free, w = max(((self._usable(w, req.tier, need, blocked), w) for w in decode),
+                      key=lambda fw: fw[0])
+        blocked.setdefault(w.worker_id, []).append((req.tier, need, max(min(need, free), 0)))
+
+    def _route(self, req: Request, now: float,
+               blocked: dict[str, list[tuple[int, int, int]]]) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
-        if any(t < req.tier or (t == req.tier and n <= need) for t, n in blocked.items()):
-            # A more urgent request found no room (whatever its size: blocks released for
-            # it must not go to less urgent ones that fit sooner, or a large prompt would
-            # wait forever), or an as urgent one no larger than this.
-            return None
         decode = self._decode_slots()
         remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
         if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
@@ -610,32 +707,42 @@ class ClusterScheduler:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
             # prefix hits among the workers the policy's decode placement accepts.
             ok = [self._pview(w, matches) for w in decode
-                  if self.policy.place_decode(req, need, [self._dview(w)], w.info) is not None]
+                  if (horizon is None or self._backlog(w)[0] <= horizon)
+                  and self.policy.place_decode(
+                      req, need, [self._dview(w, self._usable(w, req.tier, need, blocked))],
+                      w.info) is not None]
             lp = self.policy.place_prefill(req, ok) if ok else None
             if lp is None:
-                blocked[req.tier] = min(need, blocked.get(req.tier, need))
+                self._claim(req, need, decode, blocked)
                 self._maybe_preempt(req, need, decode, decode[0].info, now)
                 return None
             dslot, prefill_slot = self.workers[lp.info.worker_id], None
         else:
-            views = [self._pview(w, matches) for w in remote]
+            # Only prefill workers within the horizon: one past it would turn the request
+            # away while another has room.
+            views = [self._pview(w, matches) for w in remote
+                     if horizon is None or self._backlog(w)[0] <= horizon]
+            if not views and self.mode is PoolMode.AUTO:
+                views = [self._pview(w, matches) for w in remote]  # it may prefill locally
             pv = self.policy.place_prefill(req, views)
             if pv is None:
                 return None
-            choice = self.policy.place_decode(req, need, [self._dview(w) for w in decode],
-                                              pv.info)
+            choice = self.policy.place_decode(
+                req, need, [self._dview(w, self._usable(w, req.tier, need, blocked))
+                            for w in decode], pv.info)
             if choice is None:
-                blocked[req.tier] = min(need, blocked.get(req.tier, need))
+                self._claim(req, need, decode, blocked)
                 self._maybe_preempt(req, need, decode, pv.info, now)
                 return None
             dslot = self.workers[choice.view.info.worker_id]
             prefill_slot = self._choose_prefill_site(req, dslot, self.workers[pv.info.worker_id],
-                                                     matches)
+                                                     matches, horizon)
         target = prefill_slot or dslot
         if horizon is not None and self._backlog(target)[0] > horizon:
             return None
         target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
         self._backlogs.pop(target.worker_id, None)
+        self._dviews.pop(dslot.worker_id, None)
         dslot.held[req.req_id] = need
         dslot.num_promised += need
         entry = self.live[req.req_id]
@@ -664,15 +771,30 @@ class ClusterScheduler:
         got = self._backlog(w)
         return PrefillView(w.info, got[0], matches.get(w.worker_id, 0), got[1])
 
-    def _dview(self, w: WorkerSlot) -> DecodeView:
-        return DecodeView(w.info, w.free_blocks, len(w.held))
+    def _dview(self, w: WorkerSlot, free: int | None = None) -> DecodeView:
+        """``w`` as placement sees it (``free``: its usable free blocks, default all),
+        with its measured release rate and step time (kept for the plan)."""
+        got = self._dviews.get(w.worker_id)
+        if got is None:
+            got = self._dviews[w.worker_id] = DecodeView(
+                w.info, w.free_blocks, len(w.held), self._release_rate(w),
+                self._growth(w), max(len(self._decode_slots()), 1))
+        return got if free is None or free == got.num_free_blocks else replace(
+            got, num_free_blocks=free)
 
     def _choose_prefill_site(self, req: Request, dslot: WorkerSlot, rslot: WorkerSlot,
-                             matches: dict[str, int]) -> WorkerSlot | None:
+                             matches: dict[str, int], horizon: float | None = None
+                             ) -> WorkerSlot | None:
         """The prefill worker, or None (``auto``) for a prefill on the decode worker itself
-        when that predicts the earlier first token (short prompts, busy prefill pool)."""
+        when that predicts the earlier first token (short prompts, busy prefill pool); a
+        site past the dispatch ``horizon`` only where the other is past it too."""
         if self.mode is PoolMode.DISAGGREGATED:
             return rslot
+        if horizon is not None:
+            over_r = self._backlog(rslot)[0] > horizon
+            over_l = self._backlog(dslot)[0] > horizon
+            if over_r != over_l:
+                return None if over_r else rslot
         bs = self.block_size
         todo = req.num_context_tokens
         hit_r = min(matches.get(rslot.worker_id, 0) * bs, max(todo - 1, 0))
@@ -713,6 +835,7 @@ class ClusterScheduler:
                     n = w.held.get(v.req_id, v.num_blocks)
                     target.held[v.req_id] = n
                     target.num_promised += n
+                    self._dviews.pop(target.worker_id, None)
                     e.migrate_to, e.migrate_blocks, e.migrate_promised = target.worker_id, n, True
                     order = PreemptOrder(v.req_id, w.worker_id, v.mode, req.req_id,
                                          target.worker_id)
@@ -753,6 +876,20 @@ class ClusterScheduler:
                                   peer_room=room, num_peer_cached=cached,
                                   swap_room=w.swap_room, wait_s=wait))
         return out
+
+    def _growth(self, w: WorkerSlot) -> int:
+        """Blocks the requests ``w`` holds add within one anti-thrash window at its
+        measured step time, each up to its token budget (scheduler.reserves.growth_blocks)."""
+        tokens = int(self.tiers.anti_thrash_s / max(w.costs.decode_token_s(), 1e-6))
+        decodes = []
+        for rid, blocks in w.held.items():
+            e = self.live.get(rid)
+            # Reserved, prefilling or on its way here: it decodes (and grows) next.
+            if e is not None and e.req.state not in (S.PREEMPTING, S.PREEMPTED):
+                r = e.req
+                decodes.append((r.num_context_tokens, blocks,
+                                r.max_new_tokens - r.num_output_tokens))
+        return growth_blocks(decodes, tokens=tokens, block_size=self.block_size)
 
     def _release_rate(self, w: WorkerSlot) -> float | None:
         """Blocks per second ``w``'s decodes give back as they finish (as admission

@@ -28,6 +28,7 @@ class Invariant(enum.Enum):
     ANTI_THRASH = "anti_thrash"
     STARVATION = "starvation"
     TIER_INVERSION = "tier_inversion"
+    WORK_CONSERVATION = "work_conservation"
 
 
 HARD_INVARIANTS = tuple(Invariant)
@@ -154,6 +155,17 @@ def is_starving(req: Request, now: float, tiers: TierConfig) -> bool:
     """The starvation guard's test (:mod:`scheduler.ordering`): no state change for more
     than ``STARVATION_GUARD_FRACTION`` of the tier's ``max_starvation_s``."""
     return now - last_progress_time(req) > STARVATION_GUARD_FRACTION * tiers[req.tier].max_starvation_s
+
+
+def check_work_conservation(unplaced: Iterable[tuple[Request, str]]) -> list[Violation]:
+    """Right after a plan, no waiting request fits a decode worker (free blocks, less what
+    more urgent waiting requests claim there and the policy's reserve, with a prefill site
+    within the dispatch horizon) and was left waiting: ``unplaced`` is
+    ``ClusterScheduler.unplaced_fits()`` (issue 22: a worker with free KV while a request
+    that fits waits is a bug, not a policy choice)."""
+    return [Violation(Invariant.WORK_CONSERVATION,
+                      f"{r.req_id} (tier {r.tier}) fits {wid} and was not placed")
+            for r, wid in unplaced]
 
 
 def check_tier_order(pick: Pick, tiers: TierConfig, est: ServiceEstimate) -> list[Violation]:

@@ -39,6 +39,13 @@ class DecodeView:
     info: WorkerInfo
     num_free_blocks: int
     num_running: int = 0
+    # Blocks per second its finishing decodes give back (None: none running, or unknown),
+    # the blocks its running decodes add within an anti-thrash window at its measured
+    # step time, and how many decode workers share the arrivals: what a policy's
+    # measured reserve reads (scheduler.reserves).
+    release_blocks_per_s: float | None = None
+    growth_blocks: int = 0
+    num_workers: int = 1
 
 
 @dataclass(frozen=True, slots=True)

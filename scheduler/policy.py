@@ -62,6 +62,7 @@ from scheduler.preemption import (
 )
 from scheduler.queues import HeapQueue, SlackQueue, SortedQueue, WaitQueue
 from scheduler.request import Request
+from scheduler.reserves import DemandMeter, UrgentDemand, decode_reserve
 from scheduler.step_planner import (
     MIN_CHUNK_TOKENS,
     StepPlan,
@@ -144,6 +145,16 @@ class SchedulingPolicy:
                      prefill: WorkerInfo) -> DecodeChoice | None:
         return choose_decode(need_blocks, views, prefill, self.ctx.costs, min_headroom=0.0)
 
+    # Whether ``place_decode`` places a request on any worker whose free blocks less
+    # ``decode_reserve`` hold it, and the queue offers every waiting request (no head-of-
+    # line stop): the work-conservation invariant binds only such a policy (vLLM's
+    # waiting loop stops at its first request that does not fit, by design).
+    work_conserving = False
+
+    def decode_reserve(self, tier: int, view: DecodeView) -> int:
+        """Blocks of ``view``'s worker a request of ``tier`` must leave free (none here)."""
+        return 0
+
     # A migration target keeps at least this share of its blocks free after the move.
     MIGRATION_HEADROOM = 0.1
 
@@ -210,8 +221,9 @@ class TierserveSettings:
     # Feasibility admission and tier shedding; off: accept everything.
     admission: bool = True
     # Prefill by prefix hit and the work of as-urgent tiers ahead, decode in the prefill
-    # worker's NVLink domain with per-tier headroom; off: least queued prefill, most free
-    # decode blocks.
+    # worker's NVLink domain, leaving the reserve that the more urgent tiers' measured
+    # arrivals and the running decodes' measured growth need (scheduler.reserves); off:
+    # least queued prefill, most free decode blocks.
     placement: bool = True
     # Lower tiers wait in the cluster's queue beyond a few steps of queued work per
     # worker; off: every request goes to a worker at once.
@@ -254,8 +266,8 @@ class TierservePolicy(SchedulingPolicy):
     # expected output, and the running decodes grow meanwhile).
     WAIT_MARGIN = 2.0
 
-    def __init__(self, ctx: PolicyContext, settings: TierserveSettings | None = None, *,
-                 decode_headroom: float = 0.05) -> None:
+    def __init__(self, ctx: PolicyContext, settings: TierserveSettings | None = None
+                 ) -> None:
         super().__init__(ctx)
         self.settings = s = settings or TierserveSettings()
         self.watcher = DeadlineWatcher(ctx.tiers)
@@ -274,12 +286,13 @@ class TierservePolicy(SchedulingPolicy):
         self.scorer = VictimScorer.TOPOLOGY if s.topology_pricing else VictimScorer.DESIGN_NOTES
         self.modes = (frozenset(PreemptMode) if s.preempt_modes
                       else frozenset({PreemptMode.RECOMPUTE}))
-        self.decode_headroom = decode_headroom
         self.reads_load = s.admission
+        # What arrives per tier, measured: the reserves placement keeps for the more
+        # urgent tiers (scheduler.reserves), refreshed every control interval.
+        self.demand = DemandMeter(ctx.tiers.num_tiers)
+        self.urgent = UrgentDemand.none(ctx.tiers.num_tiers)
         ttfts = [t.ttft_s for t in ctx.tiers.tiers if t.ttft_s is not None]
         tightest = min(ttfts) if ttfts else min(t.deadline_s for t in ctx.tiers.tiers)
-        tokens = self.tiers.anti_thrash_s / max(ctx.est.decode_token_s(), 1e-6)
-        self._growth_blocks = int(tokens // ctx.block_size) + 1
         # A step's share of the tightest TTFT: an arrival of that tier waits at most one
         # such step (compose_step also keeps a step at least twice its fixed cost, so
         # slow hardware does not spend half its time on step overhead).
@@ -360,16 +373,21 @@ class TierservePolicy(SchedulingPolicy):
             best = max(fits, key=lambda v: v.num_free_blocks, default=None)
             return (None if best is None
                     else choose_decode(need_blocks, [best], prefill, self.ctx.costs, 0.0))
-        # Lower tiers leave headroom so decode growth of running requests and
-        # higher-tier arrivals rarely force a preemption.
-        # Running requests keep room to grow for one anti-thrash window, so growth
-        # never forces a second preemption inside that window.
-        reserve_frac = self.decode_headroom * req.tier
+        # A request leaves free what the more urgent tiers' measured arrivals and the
+        # running decodes' measured growth need (scheduler.reserves), nothing more.
         views_ok = [v for v in views
-                    if v.num_free_blocks - need_blocks
-                    >= reserve_frac * v.info.num_kv_blocks
-                    + (v.num_running * self._growth_blocks if req.tier else 0)]
+                    if v.num_free_blocks - need_blocks >= self.decode_reserve(req.tier, v)]
         return choose_decode(need_blocks, views_ok, prefill, self.ctx.costs, min_headroom=0.1)
+
+    work_conserving = True
+
+    def decode_reserve(self, tier: int, view: DecodeView) -> int:
+        if not self.settings.placement:
+            return 0
+        return decode_reserve(tier, self.urgent, num_kv_blocks=view.info.num_kv_blocks,
+                              release_blocks_per_s=view.release_blocks_per_s,
+                              growth=view.growth_blocks, num_workers=view.num_workers,
+                              min_window_s=self.tiers.control_interval_s)
 
     def _victims(self, need_blocks: int, candidates: Sequence[VictimView], now: float,
                  requester_tier: int) -> PreemptionPlan:
@@ -404,6 +422,7 @@ class TierservePolicy(SchedulingPolicy):
         return self._victims(need_blocks, candidates, now, requester_tier)
 
     def tick(self, now: float, waiting: Iterable[Request]) -> None:
+        self.urgent = UrgentDemand.of(self.demand, now)
         if isinstance(self.ordering, WfqPolicy):  # only WFQ reads the boost marks
             self.watcher.tick(now, waiting)
         ratios = [self.tails.p99_ratio(t) for t in range(self.tiers.num_tiers)]
@@ -415,6 +434,7 @@ class TierservePolicy(SchedulingPolicy):
 
     def record_demand(self, tier: int, tokens: int, now: float) -> None:
         self.ledger.record_demand(tier, tokens, now)
+        self.demand.record(tier, -(-tokens // self.ctx.block_size), now)
 
     def record_served(self, tier: int, tokens: int, work_s: float, now: float) -> None:
         self.ledger.record_served(tier, tokens, now)

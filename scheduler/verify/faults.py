@@ -14,6 +14,10 @@ that finds no counterexample with them in place is not checking anything.
   which only ever ask for blocks they were told are free, keep placing work
   (KV in use exceeds the budget); it shows once two requests share a worker
   (``--requests 2 --workers 1``, or the trajectories).
+- ``fixed-reserve``: the tierserve policy with the decode placement it had before issue
+  22 (fixed per-tier fractions plus growth room from the prior step time): a request
+  that fits a worker's free blocks less the measured reserve waits, and the
+  work-conservation invariant must fail (two workers, a few requests of a later tier).
 - ``inversion``: the tierserve policy with the slack ordering as it was before
   DESIGN §5's rule: every hopeless request behind every feasible one
   (``feasible + hopeless``), in the global queue, the workers' queues and the
@@ -28,10 +32,13 @@ from dataclasses import replace
 
 from scheduler.kv import KVBlockAccount
 from scheduler.ordering import SlackPolicy
+from scheduler.placement import DecodeChoice, DecodeView, choose_decode
 from scheduler.policy import PolicyContext, TierservePolicy
 from scheduler.preemption import PreemptionPlan, VictimView, choose_victims
 from scheduler.queues import SortedQueue, WaitQueue
 from scheduler.request import Request
+from scheduler.step_costs import CPU_PRIOR
+from scheduler.topology import WorkerInfo
 from scheduler.verify.model import AccountFactory, PolicyFactory
 
 
@@ -86,6 +93,26 @@ class InvertingPolicy(TierservePolicy):
         return SortedQueue(self.ordering)
 
 
+class FixedReservePolicy(TierservePolicy):
+    """Tierserve with the decode placement it had before issue 22: every tier t keeps
+    5 % x t of a worker free, plus room for each running request to grow for one
+    anti-thrash window at the prior's step time, whatever arrives and whatever the
+    worker measures; it still claims ``work_conserving``, so the checker holds it to
+    the measured reserve (``decode_reserve``)."""
+
+    name = "tierserve-fixed-reserve"
+    HEADROOM = 0.05
+
+    def place_decode(self, req: Request, need_blocks: int, views: Sequence[DecodeView],
+                     prefill: WorkerInfo) -> DecodeChoice | None:
+        tokens = self.tiers.anti_thrash_s / max(CPU_PRIOR[0] + CPU_PRIOR[3], 1e-6)
+        growth = int(tokens // self.ctx.block_size) + 1
+        ok = [v for v in views if v.num_free_blocks - need_blocks
+              >= self.HEADROOM * req.tier * v.info.num_kv_blocks
+              + (v.num_running * growth if req.tier else 0)]
+        return choose_decode(need_blocks, ok, prefill, self.ctx.costs, min_headroom=0.1)
+
+
 class OverbookingAccount(KVBlockAccount):
     """Grants every allocation, even past ``num_total_blocks``, and never shows fewer
     than one free block."""
@@ -108,10 +135,15 @@ def inverting_policy(ctx: PolicyContext) -> TierservePolicy:
     return InvertingPolicy(ctx)
 
 
+def fixed_reserve_policy(ctx: PolicyContext) -> TierservePolicy:
+    return FixedReservePolicy(ctx)
+
+
 FAULTS: dict[str, tuple[PolicyFactory | None, AccountFactory | None]] = {
     "thrash": (thrashing_policy, None),
     "overbook": (None, OverbookingAccount),
     "inversion": (inverting_policy, None),
+    "fixed-reserve": (fixed_reserve_policy, None),
 }
 
 

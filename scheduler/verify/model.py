@@ -41,7 +41,9 @@ After every event :meth:`World.check` runs the hard invariants of
 :mod:`scheduler.invariants`: KV budget and block ownership (every owned block belongs
 to a live request on that worker, every request that holds blocks by its state has
 them, pinned prefix entries stay), legal and chained transitions, shares, anti-thrash,
-starvation (when the clock moved), and the tier order of every selection the event's
+starvation (when the clock moved), work conservation after every plan (a policy that
+claims ``work_conserving`` leaves no waiting request that fits a worker), and the tier
+order of every selection the event's
 decisions made (the drivers' ``on_pick``): a violation for a policy that
 ``keeps_tier_order``, counted in ``num_tier_inversions`` for one that does not.
 """
@@ -70,6 +72,7 @@ from scheduler.invariants import (
     check_starvation,
     check_tier_order,
     check_transitions,
+    check_work_conservation,
 )
 from scheduler.kv import KVBlockAccount
 from scheduler.messages import BlockEvent, ReqEvent, RunningReq, WorkerEvent, WorkerReport
@@ -446,6 +449,8 @@ class World:
         now = self.now
         plan: Plan = self.cs.plan(now)
         self.plan_due = False
+        if self.policy.work_conserving:
+            self._violations += check_work_conservation(self.cs.unplaced_fits())
         touched: dict[int, list[BlockEvent]] = {}
         for a in plan.aborts:
             for wid in a.worker_ids:

@@ -12,7 +12,12 @@ import pytest
 from scheduler.request import Decision
 from scheduler.verify import cli
 from scheduler.verify.exhaustive import explore
-from scheduler.verify.faults import OverbookingAccount, inverting_policy, thrashing_policy
+from scheduler.verify.faults import (
+    OverbookingAccount,
+    fixed_reserve_policy,
+    inverting_policy,
+    thrashing_policy,
+)
 from scheduler.verify.model import Event, EventKind, World
 from scheduler.verify.scope import Scope, ScopeError, scope_tiers
 
@@ -41,6 +46,18 @@ def test_crowded_worker_is_clean_and_preempts_for_arrivals() -> None:
     res = explore(CROWDED)
     assert res.complete and res.num_violations == 0, res.counterexamples
     assert res.num_preemptions >= 2
+
+
+def test_fixed_reserves_break_work_conservation_and_the_measured_ones_do_not() -> None:
+    """Issue 22: the placement before it kept 5 % x tier of a worker plus growth room at
+    the prior's step time free, so a request that fitted waited with blocks free; the
+    measured reserve holds nothing for a tier nobody sends, and the checker says so."""
+    assert explore(SMALL).violations["work_conservation"] == 0
+    res = explore(SMALL, policy_factory=fixed_reserve_policy)
+    assert res.violations["work_conservation"] > 0
+    cex = res.counterexamples["work_conservation"]
+    assert "fits w" in cex.detail and "was not placed" in cex.detail, cex.detail
+    assert res.violations["kv_budget"] == 0
 
 
 def _inversion_caught(res) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from scheduler.verify import cli
-from scheduler.verify.faults import OverbookingAccount, inverting_policy, thrashing_policy
+from scheduler.verify.faults import (
+    OverbookingAccount,
+    fixed_reserve_policy,
+    inverting_policy,
+    thrashing_policy,
+)
 from scheduler.verify.trajectories import (
     TrajectoryResult,
     WorkloadSpec,
@@ -80,6 +85,17 @@ def test_tier_order_holds_for_tierserve_and_the_inversion_fault_is_caught() -> N
     again = run_one(int(cex["seed"]), trajectory_scope(), WorkloadSpec(),  # type: ignore[call-overload]
                     policy_factory=inverting_policy)
     assert again.violations and again.violations[0].detail == cex["detail"]
+
+
+def test_work_conservation_holds_and_the_fixed_reserve_fault_is_caught() -> None:
+    clean = run_trajectories(200, seed=0, processes=1)
+    assert clean.violations["work_conservation"] == 0, clean.counterexamples
+    bad = run_trajectories(200, seed=0, policy_factory=fixed_reserve_policy, processes=1)
+    assert bad.violations["work_conservation"] > 0
+    cex = next(c for c in bad.counterexamples if c["invariant"] == "work_conservation")
+    again = run_one(int(cex["seed"]), trajectory_scope(), WorkloadSpec(),  # type: ignore[call-overload]
+                    policy_factory=fixed_reserve_policy)
+    assert any(v.detail == cex["detail"] for v in again.violations)
 
 
 def test_peer_policies_may_invert_tiers_and_are_counted_not_failed(tmp_path: Path) -> None:
