@@ -17,6 +17,8 @@ Life of a transfer (both sides keep one record per request id)::
        its slots, Ready ──▶                         4. push(req, src_ids) as chunks finish:
                                                        every segment whose last block is
        ◀── one message per segment, on the transfer's tag ── pushed goes at once
+       ◀── Keepalive while blocks are still to come ──  keepalive(req) each turn of the
+                                                       caller's loop: queued or paused
     5. every segment landed: DONE ──End(DONE)──▶    DONE
     any time: abort() / timeout / refusal / peer loss ──End──▶ the other side: ABORTED|FAILED
 
@@ -48,6 +50,9 @@ Public API::
         # chunk finishes (engine StepOutput.ready_block_ids); returns at once: the finished
         # segments are sent from push itself when the pair is idle, else by its sender thread,
         # while the next chunk computes.
+    producer.keepalive(req_id) -> bool                       # never blocks; the blocks still
+        # to come are being computed or wait their turn (a prompt queued, or paused between
+        # chunks by the policy): call it every turn of the caller's loop while they do
     producer.poll / abort / forget / drain_stats as above; producer.disconnect(consumer_id);
     producer.close()
     consumer.address() / producer.address() -> dict; .endpoint_id; .peers() -> list[str]
@@ -117,12 +122,14 @@ A group is torn down when its peer says goodbye, dies, or stalls past the timeou
 makes gloo fail every operation of the pair on both ends).
 
 Failures: ``TransferStatus.failed_side`` names the side whose action or absence ended the
-transfer: the stalled side for TIMEOUT (``stall_timeout_s`` without progress, or
-``start_timeout_s`` before the first block), the vanished side for PEER_LOST, the producer
-for metadata the consumer refused (MISMATCH, CHECKSUM), the consumer for UNKNOWN_REQUEST and
-LOCAL_ERROR. Both sides end up terminal and agree: a producer whose consumer stops answering
-is DONE if every send completed (the blocks left its pool; the consumer, once it runs again,
-has them all) and FAILED (TIMEOUT, consumer side) with the pair torn down otherwise.
+transfer: the stalled side for TIMEOUT (``stall_timeout_s`` without a block or a keepalive,
+or ``start_timeout_s`` before the first block; a transfer its producer's caller keeps alive
+may wait any time for its blocks, see :mod:`kvtransfer.transfers`), the vanished side for
+PEER_LOST, the producer for metadata the consumer refused (MISMATCH, CHECKSUM), the
+consumer for UNKNOWN_REQUEST and LOCAL_ERROR. Both sides end up terminal and agree: a
+producer whose consumer stops answering is DONE if every send completed (the blocks left its
+pool; the consumer, once it runs again, has them all) and FAILED (TIMEOUT, consumer side)
+with the pair torn down otherwise.
 
 Testing: ``kvtransfer.testing.PeerProcess`` runs an endpoint in a spawned process driven by
 msgpack commands; ``MockBackend(MockHub())`` runs the same endpoints in one process;

@@ -16,7 +16,10 @@ Life of a transfer here::
                                         major: a window of them into slabs), Ready
     4. segments land                    in plan order (announced path: after their Blocks);
                                         layer-major: each is scattered from its slab into
-                                        the slots once its receive completed
+                                        the slots once its receive completed. Between them
+                                        (and before the first), Keepalive messages say the
+                                        producer still computes the blocks to come: the
+                                        clock restarts (kvtransfer.transfers, liveness)
     5. every segment landed             DONE, End(DONE) to the producer
     any time: abort(), a stall past the timeout, the producer's End/Bye or death -> terminal
     once no receive is left posted into the slots; from then on nothing is written into
@@ -254,6 +257,7 @@ class KVConsumer:
                                     "stall timeout")
             return
         started = record.state is TransferState.TRANSFERRING
-        detail = ("no block arrived within the stall timeout" if started
-                  else "the producer did not start within the start timeout")
+        detail = ("no block (nor a keepalive) arrived within the stall timeout" if started
+                  else "the producer did not start (nor send a keepalive) within the start "
+                  "timeout")
         self.end(record, TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER, detail)

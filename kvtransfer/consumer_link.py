@@ -184,6 +184,8 @@ class ConsumerLink:
                     self._on_open(msg)
                 elif isinstance(msg, wire.End):
                     self._on_end(msg)
+                elif isinstance(msg, wire.Keepalive):
+                    self._on_keepalive(msg)
                 else:
                     raise wire.ProtocolError(f"unexpected {type(msg).__name__} from the producer")
             except ChannelError as exc:
@@ -346,6 +348,17 @@ class ConsumerLink:
         if slabs is not None and self._staging is not None:
             for slab in slabs:
                 self._staging.give(slab)
+
+    def _on_keepalive(self, msg: wire.Keepalive) -> None:
+        """The producer vouches for a transfer it has nothing to send for yet (its prompt
+        is queued or paused between chunks): its clock restarts."""
+        table = self._owner.table
+        record = table.get(msg.req)
+        if record is None or record.link is not self or record.tag != msg.tag:
+            return  # ended and forgotten, or an earlier transfer's
+        with table.lock:
+            if not record.state.is_terminal and record.cancel is None:
+                record.last_alive = time.monotonic()
 
     def _on_end(self, msg: wire.End) -> None:
         record = self._owner.table.get(msg.req)

@@ -17,6 +17,12 @@ Life of a transfer here::
                                 the stall watchdog calls it DONE once every send completed)
     any time: abort(), a stall past the timeout, the consumer's End/Bye or death -> terminal;
     from then on the source blocks are not read again (the caller releases them).
+
+    keepalive(req) between 1 and 3, as often as the caller likes: while a transfer waits
+    for blocks not computed yet (its prompt queued, or paused between chunks), the caller
+    vouches for it; its clocks here restart and a Keepalive goes to the consumer at most
+    every keepalive_interval_s (kvtransfer.transfers says how the timeouts use it). A
+    caller that stops vouching and pushing is taken for hung after the timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from kvtransfer.transfers import (
     TransferRecord,
     TransferTable,
     Watchdog,
+    keepalive_interval_s,
 )
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,7 @@ class KVProducer:
         self._links: dict[str, ProducerLink] = {}
         self._links_lock = threading.Lock()
         self._closed = False
+        self._keepalive_s = keepalive_interval_s(self.config)
         self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
 
     # -- public API ---------------------------------------------------------------------------
@@ -142,9 +150,26 @@ class KVProducer:
             event = torch.cuda.Event()
             event.record()  # the blocks are final on the caller's current stream
         record.link.on_pushed(record, event)  # first: the bookkeeping below overlaps the send
-        record.last_progress = time.monotonic()
+        record.last_alive = time.monotonic()
         if record.state is TransferState.PENDING:
             self._table.mark_started(record)
+
+    def keepalive(self, req_id: str) -> bool:
+        """The caller still holds the transfer's blocks to come (the prompt is queued, or
+        paused between chunks): the stall and start clocks restart here and, at most every
+        ``keepalive_interval_s``, at the consumer. Never blocks. False (nothing done): no
+        such live transfer, or every block is pushed already (then the sends and the
+        consumer's confirmation are what it waits for)."""
+        record = self._table.get(req_id)
+        if record is None or record.state.is_terminal or record.cursor >= len(record.block_ids):
+            return False
+        now = time.monotonic()
+        record.last_alive = now
+        link = record.link
+        if link is not None and now - record.keepalive_sent >= self._keepalive_s:
+            record.keepalive_sent = now
+            link.submit(("keepalive", record))
+        return True
 
     def poll(self, req_id: str) -> TransferStatus | None:
         return self._table.status(req_id)
@@ -220,9 +245,9 @@ class KVProducer:
     def _on_overdue(self, record: TransferRecord) -> None:
         if record.cursor < len(record.block_ids):
             if record.state is TransferState.PENDING and record.cursor == 0:
-                detail = "no block was pushed within the start timeout"
+                detail = "no block was pushed (nor a keepalive) within the start timeout"
             else:
-                detail = "the producer pushed no block within the stall timeout"
+                detail = "the producer pushed no block (nor a keepalive) within the stall timeout"
             self.fail_overdue(record, Side.PRODUCER, detail)
         elif record.link is not None and not record.confirming:
             # Every block is pushed and the consumer has not confirmed: once every send has

@@ -247,6 +247,8 @@ class ProducerLink:
                         self._send_segments(job[1], job[2])
                     elif kind == "end":
                         self._end(job[1], job[2])
+                    elif kind == "keepalive":
+                        self._keepalive(job[1])
                     elif kind == "flush":
                         self._flush(job[1])
                     elif kind == "confirm":
@@ -348,6 +350,15 @@ class ProducerLink:
             self._send_fwd(msg)
             if not record.posted:  # the consumer only mirrors it; nothing is owed
                 self._records.pop(record.req_id, None)
+
+    def _keepalive(self, record: TransferRecord) -> None:
+        """The caller vouches for a transfer with nothing to send yet: tell the consumer
+        (after the Open, which went first on this stream), unless the transfer ended."""
+        self._make_room()
+        with self._issue_lock:
+            if record.state.is_terminal or self._records.get(record.req_id) is not record:
+                return
+            self._send_fwd(wire.Keepalive(record.req_id, record.tag))
 
     def _flush(self, record: TransferRecord) -> None:
         """The consumer is ending the transfer: one empty message for every segment not sent,

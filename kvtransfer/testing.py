@@ -91,6 +91,8 @@ def _peer_main(conn: Any, role: str, layout_spec: dict[str, Any], num_blocks: in
                 endpoint.begin(cmd["ticket"])
             elif op == "push":
                 endpoint.push(cmd["req_id"], cmd["block_ids"], cmd.get("first_position"))
+            elif op == "keepalive":
+                reply["alive"] = endpoint.keepalive(cmd["req_id"])
             elif op == "poll":
                 reply["status"] = status_to_wire(endpoint.poll(cmd["req_id"]))
             elif op == "wait":

@@ -4,6 +4,17 @@ A record's state only moves forward (PENDING -> TRANSFERRING -> terminal) and th
 terminal state wins: :meth:`TransferTable.finish` refuses to overwrite one. Ending a record
 takes its ``io_lock`` first, so a write (consumer) or read (producer) of its blocks that is in
 progress completes before the state turns terminal, and none starts afterwards.
+
+Liveness: each side's :class:`Watchdog` fails a transfer nothing was heard of within its
+timeout: ``start_timeout_s`` while PENDING, ``stall_timeout_s`` once blocks move. What is
+heard (``TransferRecord.last_alive``) is a block moved, or a keepalive: the producer's
+caller vouches, with ``KVProducer.keepalive``, for a transfer whose blocks are not computed
+yet (a prompt queued behind more urgent ones, or paused between its chunks, for as long as
+the policy likes), and the producer passes that on to the consumer as a ``Keepalive``
+message at most every :func:`keepalive_interval_s`. So the timeouts catch a hung or dead
+peer only: a caller that stops vouching (its loop is stuck), a producer process that stops
+(no keepalive reaches the consumer), a consumer that stops taking blocks (the sends do not
+complete); a peer that dies breaks the pair at once.
 """
 
 from __future__ import annotations
@@ -48,7 +59,8 @@ class TransferRecord:
     num_done: int = 0
     num_bytes: int = 0
     started: float | None = None
-    last_progress: float = field(default_factory=time.monotonic)
+    # The last sign of life: a block moved, or a keepalive (the timeouts run from here).
+    last_alive: float = field(default_factory=time.monotonic)
     # producer
     cursor: int = 0  # next position push() will fill
     src: list[int] = field(default_factory=list)  # pushed source block ids, by position
@@ -57,6 +69,7 @@ class TransferRecord:
     posted: bool = False  # posted path (else announced)
     flushed: bool = False  # posted path: every segment not sent got its empty message instead
     confirming: bool = False  # the stall watchdog asked the sender to settle it
+    keepalive_sent: float = field(default_factory=time.monotonic)  # last one to the consumer
     # consumer
     num_landed: int = 0  # segments written into the slots
     # posted path: one receive per segment (layer-major: per slab of the window), owned by
@@ -76,7 +89,7 @@ class TransferRecord:
             self.state = TransferState.TRANSFERRING
         self.num_done += num_blocks
         self.num_bytes += num_bytes
-        self.last_progress = now
+        self.last_alive = now
 
     def status(self) -> TransferStatus:
         return TransferStatus(
@@ -183,8 +196,9 @@ class TransferTable:
             return out
 
     def overdue(self, config: TransferConfig) -> list[TransferRecord]:
-        """Live records past a deadline: no start, no progress, or (ending, receives still
-        posted) no release from the producer, each within its timeout."""
+        """Live records past a deadline: nothing heard of them (no block, no keepalive)
+        within the start timeout while PENDING or the stall timeout since, or (ending,
+        receives still posted) no release from the producer within the stall timeout."""
         now = time.monotonic()
         with self.lock:
             return [
@@ -193,10 +207,16 @@ class TransferTable:
                 if not r.state.is_terminal and (
                     (r.cancel is not None and now - r.cancel_since > config.stall_timeout_s)
                     or (r.cancel is None and r.state is TransferState.PENDING
-                        and now - r.created > config.start_timeout_s)
+                        and now - r.last_alive > config.start_timeout_s)
                     or (r.cancel is None and r.state is TransferState.TRANSFERRING
-                        and now - r.last_progress > config.stall_timeout_s))
+                        and now - r.last_alive > config.stall_timeout_s))
             ]
+
+
+def keepalive_interval_s(config: TransferConfig) -> float:
+    """How often a producer tells its consumer that a transfer it vouches for is alive:
+    four times within the shorter timeout, so that a late or lost one is no failure."""
+    return min(config.stall_timeout_s, config.start_timeout_s) / 4
 
 
 class Watchdog:

@@ -3,15 +3,16 @@
 Where they travel::
 
     accept (consumer's store queue)   producer ──Hello──▶ consumer     one per new pair
-    fwd (frames on the pair's group,  producer ──Open | Blocks | End | Bye──▶ consumer
+    fwd (frames on the pair's group,  producer ──Open | Blocks | Keepalive | End | Bye──▶ consumer
          or the producer's store queue when the channel cannot keep a receive posted)
     rev (consumer's store queue)      consumer ──Ready | End | Bye──▶ producer
 
 Tensor messages carry no metadata: every segment (see :mod:`kvtransfer.plan`) is one message
 on the transfer's own tag, whose size and destination both sides know from the ticket. The
 ``Open`` carries the metadata the consumer checks against the reservation before it posts a
-single receive; ``Blocks`` (announced path only) says which segments follow. Decoding checks
-every field's type; anything else is a :class:`ProtocolError`.
+single receive; ``Blocks`` (announced path only) says which segments follow; ``Keepalive``
+says that a transfer with nothing to send yet is alive (see :mod:`kvtransfer.transfers`).
+Decoding checks every field's type; anything else is a :class:`ProtocolError`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ class Blocks:
 
 
 @dataclass(frozen=True, slots=True)
+class Keepalive:
+    """The producer's caller still holds the transfer's prefill (queued, or paused between
+    chunks): nothing to send yet, and nothing is wrong. The consumer restarts the
+    transfer's stall (or start) clock."""
+
+    req: str
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """A transfer ended on the sender's side; the receiver mirrors the state. From the
     consumer, a failed or aborted End also asks the producer to release the receive the
@@ -97,7 +108,7 @@ class Bye:
     """The sender is closing this pair (graceful teardown)."""
 
 
-Message = Hello | Open | Ready | Blocks | End | Bye
+Message = Hello | Open | Ready | Blocks | Keepalive | End | Bye
 
 
 def encode(msg: Message) -> bytes:
@@ -119,6 +130,8 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Blocks):
         body = {"t": "blocks", "req": msg.req, "tag": msg.tag, "first": msg.first,
                 "sizes": msg.sizes, "crc": msg.crc}
+    elif isinstance(msg, Keepalive):
+        body = {"t": "keepalive", "req": msg.req, "tag": msg.tag}
     elif isinstance(msg, End):
         body = {
             "t": "end", "req": msg.req, "state": msg.state.value,
@@ -165,6 +178,8 @@ def decode(raw: bytes) -> Message:
         crc = body.get("crc")
         return Blocks(req=_str(body, "req"), tag=_int(body, "tag"), first=_int(body, "first"),
                       sizes=_ints(body, "sizes"), crc=None if crc is None else _ints(body, "crc"))
+    if kind == "keepalive":
+        return Keepalive(req=_str(body, "req"), tag=_int(body, "tag"))
     if kind == "end":
         try:
             state = TransferState(body.get("state"))

@@ -20,6 +20,9 @@ Life of a request on a prefill worker (STYLE.md item 7):
    an ``n > 1`` request, with their logprobs and the prompt's when asked); the first
    tokens of one step go to each decode worker as one ``PrefilledBatch`` (PREFILL_DONE is
    reported). A first token that is also the last ends a one-sequence request there.
+   Until then every turn of the step loop keeps the request's transfer alive
+   (``KVProducer.keepalive``), however long the policy keeps it waiting: the transfer's
+   timeouts are for a hung worker, not for a queue.
 4. RELEASE: once the transfer is terminal (DONE, FAILED or ABORTED) the request's blocks
    are released; full blocks stay in the prefix cache for later prompts.
 5. ABORT: the cluster's abort or a failed transfer drops the request in any stage.
@@ -175,7 +178,7 @@ class PrefillWorker:
             try:
                 if self.sched.has_work():
                     await self._step()
-                await self._release_sent()
+                await self._tend_transfers()
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -295,9 +298,16 @@ class PrefillWorker:
             for item in batch.items:
                 await self.abort(item.req_id)
 
-    async def _release_sent(self) -> None:
+    async def _tend_transfers(self) -> None:
+        """Every turn of the step loop. A prompt still to prefill (queued, or paused between
+        chunks: the policy may hold a lower tier back longer than the transfer's timeouts)
+        keeps its transfer alive: the turn itself is the sign that this worker is not hung
+        (a loop that stops, or a step that never ends, keeps nothing alive and the decode
+        worker's consumer fails the transfer within its timeout). A finished prompt's blocks
+        are released once its transfer ended."""
         for rid, job in list(self._jobs.items()):
             if not job.prefill_done:
+                self.producer.keepalive(rid)
                 continue
             st = self.producer.poll(rid)
             if st is not None and not st.state.is_terminal:

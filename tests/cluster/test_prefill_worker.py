@@ -7,6 +7,7 @@ failed while both peers were alive."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,3 +172,107 @@ def _stuck(worker: PrefillWorker) -> bool:
     lr = worker.sched.local.get("long")
     return (lr is not None and lr.num_computed > 0 and worker._plan_was_empty
             and worker.sched.has_work() and worker.num_steps > 0)
+
+
+class SlowRunner:
+    """The stub's runner, each step taking at least ``delay_s`` (a slow model's compute)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.kernels = getattr(inner, "kernels", None)
+
+    def execute(self, decodes: Any, chunks: Any) -> Any:
+        time.sleep(self.delay_s)
+        return self.inner.execute(decodes, chunks)
+
+
+# Timeouts far below the pause the policy makes below (at least 30 steps of 50 ms).
+SHORT = TransferConfig(stall_timeout_s=0.5, start_timeout_s=0.5)
+
+
+@pytest.mark.parametrize("policy", ["tierserve", "vllm-priority"])
+def test_transfers_the_policy_pauses_past_the_timeouts_stay_alive(policy: str) -> None:
+    """A queued tier-3 prompt (and, under tierserve's tier order, a started one) waits while
+    a long tier-0 prompt takes every step's whole token budget, for longer than the
+    transfers' stall and start timeouts; the tier-0 prompt's one segment leaves only after
+    its last chunk. Both peers are alive throughout, so every transfer completes (the old
+    clocks failed them: 'no block was pushed within the start timeout', 'the producer did
+    not start within the start timeout')."""
+    rig = make_rig(policy, num_blocks=128, chunk=8, tcfg=SHORT)
+    rig.engine.runner = SlowRunner(rig.engine.runner, 0.05)
+
+    async def scenario() -> None:
+        rig.worker.start()
+        try:
+            await start(rig, "started", 64, tier=3)  # eight chunks of 8 tokens
+            await until(lambda: rig.worker.sched.local["started"].num_computed > 0,
+                        "the tier-3 prompt's first chunk ran")
+            await start(rig, "urgent", 240, tier=0)  # 30 steps, each all of the budget
+            await start(rig, "queued", 8, tier=3)
+            await until(lambda: len(rig.prefilled) == 3, "every prompt prefilled")
+            await until(lambda: all(rig.consumer.poll(r).state.is_terminal
+                                    for r in ("started", "urgent", "queued")),
+                        "every transfer ends")
+        finally:
+            await rig.worker.stop()
+
+    try:
+        asyncio.run(scenario())
+        states = {r: rig.consumer.poll(r) for r in ("started", "urgent", "queued")}
+    finally:
+        close(rig)
+    order = [p.req_id for p in rig.prefilled]
+    assert order[-1] == "queued", order  # it waited for at least the 30 steps of tier 0
+    if policy == "tierserve":  # tier order: the started prompt waited too
+        assert order.index("urgent") < order.index("started"), order
+    assert {r: (s.state.value, s.detail) for r, s in states.items()} == {
+        r: ("done", "") for r in states}
+    assert [p.error for p in rig.prefilled] == [None, None, None]
+
+
+
+class HangingRunner:
+    """The stub's runner; once ``hang`` is set, the next step blocks until ``release``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.kernels = getattr(inner, "kernels", None)
+        self.hang = threading.Event()
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def execute(self, decodes: Any, chunks: Any) -> Any:
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait()
+        return self.inner.execute(decodes, chunks)
+
+
+def test_a_worker_whose_step_hangs_keeps_no_transfer_alive() -> None:
+    """Keepalives come from the turns of the step loop: a step that never ends stops them,
+    and the decode side's consumer fails the transfer of this worker on its timeout (the
+    hung worker is found, as before the keepalives)."""
+    rig = make_rig("tierserve", num_blocks=128, chunk=8, tcfg=SHORT)
+    runner = HangingRunner(SlowRunner(rig.engine.runner, 0.05))
+    rig.engine.runner = runner
+
+    async def scenario() -> None:
+        rig.worker.start()
+        try:
+            await start(rig, "started", 64, tier=3)  # eight chunks
+            await until(lambda: rig.worker.sched.local["started"].num_computed > 0,
+                        "the first chunk ran")
+            runner.hang.set()
+            await until(runner.hanging.is_set, "a later chunk's step hangs")
+            await until(lambda: rig.consumer.poll("started").state.is_terminal,
+                        "the consumer ends the transfer of the hung worker")
+        finally:
+            runner.release.set()
+            await rig.worker.stop()
+
+    try:
+        asyncio.run(scenario())
+        status = rig.consumer.poll("started")
+    finally:
+        close(rig)
+    assert (status.state, status.reason.value) == (TransferState.FAILED, "timeout"), status

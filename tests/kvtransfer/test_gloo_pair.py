@@ -228,6 +228,71 @@ def test_frozen_consumer_both_sides_agree_then_the_next_transfer_works(consumer_
     np.testing.assert_array_equal(dst_blocks(consumer_peer, [45, 46]), src_blocks(producer, [6, 7]))
 
 
+# Short clocks for the liveness tests: the pauses below last several times each of them.
+KEEP = {**CONFIG, "stall_timeout_s": 1.0, "start_timeout_s": 1.0, "checksum": False}
+
+
+def _vouch(keep, seconds: float) -> None:
+    """A prefill worker's loop while the policy holds the prompt back: ``keep()`` (a
+    keepalive) every turn, about 50 ms, for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert keep()
+        time.sleep(0.05)
+
+
+def test_a_paused_transfer_kept_alive_outlives_both_timeouts_and_completes():
+    """Queued past the start timeout, then paused between segments past the stall timeout:
+    the producer's caller vouches for it every turn, the Keepalive messages cross the pair,
+    and neither side calls it stalled; it then completes byte for byte."""
+    peer = PeerProcess("consumer", LAYOUT, 16, config=KEEP)
+    producer = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+                          config=TransferConfig(**KEEP), backend=DistBackend())
+    try:
+        ticket = peer.call("expect", req_id="r-kept", block_ids=[1, 2, 3, 4])["ticket"]
+        producer.begin(ticket)
+        _vouch(lambda: producer.keepalive("r-kept"), 3.0)
+        assert peer.call("poll", req_id="r-kept")["status"]["state"] == "pending"
+        producer.push("r-kept", [20, 21])  # the first segment
+        assert _wait_done_blocks(peer, "r-kept", 2)
+        _vouch(lambda: producer.keepalive("r-kept"), 3.0)
+        assert peer.call("poll", req_id="r-kept")["status"]["state"] == "transferring"
+        producer.push("r-kept", [22, 23])
+        assert wait_terminal(producer, "r-kept", WAIT).state is TransferState.DONE
+        assert peer_wait(peer, "r-kept")["state"] == "done"
+        np.testing.assert_array_equal(dst_blocks(peer, [1, 2, 3, 4]),
+                                      src_blocks(producer, [20, 21, 22, 23]))
+    finally:
+        producer.close()
+        peer.close()
+
+
+def test_a_frozen_producer_is_still_found_stalled_while_its_transfer_is_paused():
+    """Keepalives come from the producer's process: once it stops (SIGSTOP), none reaches
+    the consumer and the paused transfer fails there on its stall timeout."""
+    layout = make_layout(LAYOUT)
+    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=Location("node-0", "cpu"),
+                          config=TransferConfig(**KEEP), backend=DistBackend())
+    peer = PeerProcess("producer", LAYOUT, 16, seed=2, config=KEEP)
+    try:
+        ticket = consumer.expect("r-hung", [1, 2, 3, 4])
+        peer.call("begin", ticket=ticket)
+        peer.call("push", req_id="r-hung", block_ids=[5, 6])
+        assert _wait_local_done_blocks(consumer, "r-hung", 2).num_blocks_done == 2
+        _vouch(lambda: peer.call("keepalive", req_id="r-hung")["alive"], 2.0)
+        assert consumer.poll("r-hung").state is TransferState.TRANSFERRING
+        peer.freeze()
+        try:
+            status = wait_terminal(consumer, "r-hung", WAIT)
+        finally:
+            peer.thaw()
+        assert (status.state, status.reason, status.failed_side) == (
+            TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER), status
+    finally:
+        consumer.close()
+        peer.kill()
+
+
 BIG = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128, "block_size": 16,
        "dtype": "float32"}  # 512 KiB blocks: 48 of them outgrow any socket buffer
 

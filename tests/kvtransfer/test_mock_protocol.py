@@ -175,6 +175,57 @@ def test_producer_that_never_starts_times_out(pair):
     assert "start" in status.detail
 
 
+def test_keepalive_vouches_only_for_blocks_still_to_come(pair):
+    """True while a live transfer waits for pushes; nothing to vouch for otherwise."""
+    _, _, consumer, producer = pair
+    assert not producer.keepalive("k-unknown")
+    producer.begin(consumer.expect("k1", [1, 2, 3]))
+    assert producer.keepalive("k1")  # queued: nothing pushed yet
+    producer.push("k1", [4])
+    assert producer.keepalive("k1")  # paused between chunks
+    producer.push("k1", [5, 6])
+    assert not producer.keepalive("k1")  # every block pushed: the sends are what is left
+    assert wait_terminal(consumer, "k1", WAIT).state is TransferState.DONE
+    producer.begin(consumer.expect("k2", [7, 8]))
+    producer.abort("k2")
+    assert not producer.keepalive("k2")
+
+
+def test_a_transfer_kept_alive_waits_past_both_timeouts():
+    """Queued past the start timeout, then paused between chunks past the stall timeout,
+    while the producer's caller keeps it alive (every turn of its loop): both sides stay
+    live and it completes; left without keepalives it fails as before."""
+    src, dst, consumer, producer = make_pair(TransferConfig(
+        stall_timeout_s=0.3, start_timeout_s=0.3, part_bytes=LAYOUT.bytes_per_block))
+    try:
+        producer.begin(consumer.expect("kept", [1, 2, 3]))
+        _vouch(producer, "kept", 1.0)  # more than three times either timeout
+        producer.push("kept", [4])
+        assert _wait_done(consumer, "kept", 1)
+        _vouch(producer, "kept", 1.0)
+        assert consumer.poll("kept").state is TransferState.TRANSFERRING
+        producer.push("kept", [5, 6])
+        assert wait_terminal(consumer, "kept", WAIT).state is TransferState.DONE
+        assert wait_terminal(producer, "kept", WAIT).state is TransferState.DONE
+        assert torch.equal(dst.read_blocks([1, 2, 3]), src.read_blocks([4, 5, 6]))
+        producer.begin(consumer.expect("left", [9, 10]))
+        producer.push("left", [11])
+        status = wait_terminal(consumer, "left", WAIT)
+        assert (status.state, status.reason) == (TransferState.FAILED, FailReason.TIMEOUT)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def _vouch(producer: KVProducer, req_id: str, seconds: float) -> None:
+    """The prefill worker's loop while the policy holds the prompt back: a keepalive every
+    turn (about 20 ms here) for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert producer.keepalive(req_id)
+        time.sleep(0.02)
+
+
 def test_consumer_leaving_ends_the_producer_side():
     _, _, consumer, producer = make_pair()
     try:

@@ -6,6 +6,7 @@ both ends."""
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import pytest
@@ -80,3 +81,25 @@ def test_refusal_and_abort_through_store_headers(endpoints):
     producer.begin(ticket)
     producer.push("q-after", [3, 4])
     assert wait_terminal(producer, "q-after", 30).state is TransferState.DONE
+
+
+def test_keepalives_through_the_store_queue_keep_a_paused_transfer(endpoints):
+    """The Keepalive messages of a transfer paused between segments travel the store queue
+    like its headers: past the stall timeout it is alive on both ends, then completes."""
+    peer, producer = endpoints
+    ticket = peer.call("expect", req_id="q-kept", block_ids=[5, 6, 7, 8])["ticket"]
+    producer.begin(ticket)
+    producer.push("q-kept", [10, 11])
+    deadline = time.monotonic() + 30
+    while peer.call("poll", req_id="q-kept")["status"]["done"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    end = time.monotonic() + 2.5 * CONFIG["stall_timeout_s"]  # the pause: a loop's turns
+    while time.monotonic() < end:
+        assert producer.keepalive("q-kept")
+        time.sleep(0.05)
+    assert peer.call("poll", req_id="q-kept")["status"]["state"] == "transferring"
+    producer.push("q-kept", [12, 13])
+    assert wait_terminal(producer, "q-kept", 30).state is TransferState.DONE
+    np.testing.assert_array_equal(received(peer, [5, 6, 7, 8]),
+                                  SOURCE.read_blocks([10, 11, 12, 13]).numpy())

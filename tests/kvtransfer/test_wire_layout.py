@@ -27,6 +27,7 @@ OPEN = wire.Open("r", 17, 2**63 + 5, 3, 2, 2, [0, 2], "bfloat16", [2, 1, 4], Tru
     wire.Ready("r", 17),
     wire.Blocks("r", 17, 0, [2, 1], [1, 2**32 - 1]),
     wire.Blocks("r", 17, 1, [1], None),
+    wire.Keepalive("r", 17),
     wire.End("r", TransferState.FAILED, FailReason.TIMEOUT, Side.PRODUCER, "stalled"),
     wire.End("r", TransferState.DONE, tag=17),
     wire.Bye(),
@@ -47,6 +48,7 @@ def test_messages_round_trip(msg):
     msgpack.packb({**msgpack.unpackb(wire.encode(OPEN)), "tag": -3}),
     msgpack.packb({"t": "blocks", "req": "r", "tag": 17, "first": 0, "sizes": [-1], "crc": None}),
     msgpack.packb({"t": "ready"}),
+    msgpack.packb({"t": "keepalive", "req": "r"}),
     msgpack.packb({"t": "end", "req": "r", "state": "transferring"}),
     msgpack.packb({"t": "end", "req": "r", "state": "failed", "reason": "gremlins"}),
 ])
