@@ -8,7 +8,10 @@ priced by a named scorer:
 - ``design-notes``: score = mem / (progress + eps) x reuse_value; a high score
   is a good victim (much memory, little progress lost, blocks that survive as a
   prefix elsewhere). Its cost is 1 / score.
-- ``topology`` (default): cost = tier weight x restore cost, where restore cost
+- ``topology`` (default): cost = tier weight x restore cost / the slack to its own
+  target left after the restore (at least ``SLACK_FLOOR_S``), so the victim with the
+  most slack per second of restore goes first (issue 22: a batch request with minutes
+  to spare, not one whose deadline is near); restore cost
   is the least of: swap-in over the host link (only while its worker's swap space
   has room for it), recompute (a prefill of its context, less the blocks another
   request keeps cached there), or a move to a peer decode worker with room (it
@@ -37,13 +40,15 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.deadlines import ServiceEstimate
+from scheduler.deadlines import ServiceEstimate, slack_s
 from scheduler.links import LinkPricer
 from scheduler.request import Request
 from scheduler.tiers import TierConfig
 from scheduler.topology import WorkerInfo, topology_class
 
 EPS = 1e-3
+# A victim with less slack than its restore takes is priced as if it had this much left.
+SLACK_FLOOR_S = 0.01
 
 
 class PreemptMode(enum.Enum):
@@ -131,9 +136,13 @@ def restore_options(v: VictimView, costs: LinkPricer, est: ServiceEstimate,
     return out
 
 
-def _score(v: VictimView, scorer: VictimScorer, tiers: TierConfig, restore_s: float) -> float:
+def _score(v: VictimView, scorer: VictimScorer, tiers: TierConfig, restore_s: float,
+           slack: float) -> float:
     if scorer is VictimScorer.TOPOLOGY:
-        return tiers[v.req.tier].weight * restore_s
+        # What it loses per second it can spare: its restore against the slack to its own
+        # target that is left once restored (a victim the restore makes late is priced as
+        # if it had SLACK_FLOOR_S left).
+        return tiers[v.req.tier].weight * restore_s / max(slack - restore_s, SLACK_FLOOR_S)
     progress = v.req.num_output_tokens / max(v.req.max_new_tokens, 1)
     reuse_value = 1.0 + v.num_shared_blocks / max(v.num_blocks, 1)
     score = v.num_blocks / (progress + EPS) * reuse_value
@@ -141,7 +150,7 @@ def _score(v: VictimView, scorer: VictimScorer, tiers: TierConfig, restore_s: fl
 
 
 def price(v: VictimView, scorer: VictimScorer, tiers: TierConfig, costs: LinkPricer,
-          est: ServiceEstimate, modes: frozenset[PreemptMode], *,
+          est: ServiceEstimate, modes: frozenset[PreemptMode], *, now: float = 0.0,
           swap_room: int | None = None, peer_room: int | None = None
           ) -> tuple[float, PreemptMode] | None:
     """The victim's cost and cheapest restore mode; None when no mode fits."""
@@ -149,7 +158,7 @@ def price(v: VictimView, scorer: VictimScorer, tiers: TierConfig, costs: LinkPri
     if not opts:
         return None
     mode = min(opts, key=lambda m: opts[m])
-    return _score(v, scorer, tiers, opts[mode]), mode
+    return _score(v, scorer, tiers, opts[mode], slack_s(v.req, now, tiers, est)), mode
 
 
 def choose_victims(need_blocks: int, candidates: Sequence[VictimView], *, requester_tier: int,
@@ -168,7 +177,7 @@ def choose_victims(need_blocks: int, candidates: Sequence[VictimView], *, reques
     for v in candidates:
         if v.num_freed <= 0 or not is_eligible(v.req, requester_tier, now, tiers.anti_thrash_s):
             continue
-        got = price(v, scorer, tiers, costs, est, modes)
+        got = price(v, scorer, tiers, costs, est, modes, now=now)
         if got is not None:
             priced.append((got[0] / v.num_freed, v))
     priced.sort(key=lambda cv: cv[0])
@@ -183,7 +192,8 @@ def choose_victims(need_blocks: int, candidates: Sequence[VictimView], *, reques
         room = None if v.swap_room is None else swap_left.setdefault(wid, v.swap_room)
         peer_id = v.peer.worker_id if v.peer is not None else None
         proom = 0 if peer_id is None else peer_left.setdefault(peer_id, v.peer_room)
-        got = price(v, scorer, tiers, costs, est, modes, swap_room=room, peer_room=proom)
+        got = price(v, scorer, tiers, costs, est, modes, now=now, swap_room=room,
+                    peer_room=proom)
         if got is None:
             continue
         cost, mode = got

@@ -55,6 +55,29 @@ def test_victims_of_one_plan_share_the_swap_space_and_the_peers_room() -> None:
     assert {v.peer_id for v in plan.victims if v.mode is PreemptMode.MIGRATE} == {"d1"}
 
 
+def test_the_victim_with_the_most_slack_per_second_of_restore_goes_first() -> None:
+    """Issue 22: victims were priced by tier weight x restore cost alone, so of two
+    batch requests the one about to miss its 30 s target could be taken; now the one
+    with minutes to spare goes, and a victim the restore would make late costs most."""
+    w = make_worker("d0")
+    late = make_request("late", tier=2, arrival=-18.0, prompt=1000, out=10,
+                        state=RequestState.DECODING)  # 30 s target, 2 s left at t=10
+    fresh = make_request("fresh", tier=2, arrival=9.5, prompt=1000, out=10,
+                         state=RequestState.DECODING)
+    modes = frozenset({PreemptMode.RECOMPUTE})
+    plan = _pick([VictimView(late, w, 40), VictimView(fresh, w, 40)], need=10, modes=modes)
+    assert [v.req_id for v in plan.victims] == ["fresh"]
+    # A more urgent tier with far more slack still goes after a batch request only if
+    # its weight per second of slack is higher: tier 3 (weight 1) with its 600 s target
+    # before the fresh tier-2 request (weight 2, 30 s).
+    best = make_request("best", tier=3, arrival=9.5, prompt=1000, out=10,
+                        state=RequestState.DECODING)
+    plan = _pick([VictimView(fresh, w, 40), VictimView(best, w, 40)], need=10, modes=modes)
+    assert [v.req_id for v in plan.victims] == ["best"]
+    ends = _pick([VictimView(late, w, 40)], need=10, modes=modes).victims[0].cost
+    assert ends > _pick([VictimView(fresh, w, 40)], need=10, modes=modes).victims[0].cost * 5
+
+
 def test_a_victim_sharing_its_prefix_frees_less_and_recomputes_cheaper() -> None:
     w = make_worker("d0")
     alone = make_request("alone", tier=3, prompt=1000, state=RequestState.DECODING)
