@@ -6,9 +6,10 @@ with "unknown" (the scheduler restarted and lost its view, or it gave this proce
 The hello carries what the worker holds, so a restarted scheduler can adopt it; the
 answer names the requests the cluster already ended, which the worker drops.
 
-While the scheduler is unreachable (restarting) reports are dropped, with one warning per
-outage instead of a traceback per report, and the worker goes on serving what it has:
-its tokens go to the routers directly. Every call is awaited with a timeout.
+While the scheduler is unreachable (restarting) reports do not get there, with one warning
+per outage instead of a traceback per report: ``report`` answers False and the worker keeps
+their events for the next one, and goes on serving what it has (its tokens go to the routers
+directly). Every call is awaited with a timeout.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class SchedulerLink:
             log.info("%s: the global scheduler answers again", self.worker_id)
         self._is_down = False
 
-    async def report(self, rep: WorkerReport) -> None:
-        """Send a report; an "unknown" answer starts a registration."""
+    async def report(self, rep: WorkerReport) -> bool:
+        """Send a report; an "unknown" answer starts a registration. False: the scheduler
+        did not take it (unreachable, or it does not know this worker yet), so the worker
+        keeps its events for the next report."""
         try:
             h = await self._scheduler()
             known = await asyncio.wait_for(
@@ -79,11 +82,12 @@ class SchedulerLink:
             raise
         except Exception as e:  # restarting, or not created yet: the next report retries
             self._down("report", e)
-            return
+            return False
         self._up()
         if known is False and self.is_registered:
             self.is_registered = False
             self.register_soon()
+        return known is not False
 
     def register_soon(self) -> None:
         if self._registering is None or self._registering.done():

@@ -32,10 +32,11 @@ Life of a request on a decode worker (STYLE.md item 7), by the stage that holds 
 Every lifecycle change is reported to the global scheduler as an event (one
 ``WorkerReport`` right after a step that produced events, else every control interval),
 with the running requests, free blocks, the fitted step costs, and its KV memory (swap
-space, prefix hits, the moves and restores it timed). Blocks that prefix requests waiting
-here for a prefill are kept in the prefix cache ahead of plain LRU (the policy's
-``protected_hashes``). :class:`DecodeWorker`
-is a plain class; the Ray actor around it lives in ``cluster/worker_actors.py``.
+space, prefix hits, the moves and restores it timed); a report that does not get there
+leaves its events for the next one. Blocks that prefix requests waiting here for a prefill
+are kept in the prefix cache ahead of plain LRU (the policy's ``protected_hashes``).
+:class:`DecodeWorker` is a plain class; the Ray actor around it lives in
+``cluster/worker_actors.py``.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ from scheduler.topology import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-ReportFn = Callable[[WorkerReport], Awaitable[None]]
+# Sends a report to the global scheduler; False (or raising): it did not get there, and its
+# events go with the next one.
+ReportFn = Callable[[WorkerReport], Awaitable[bool | None]]
 # Returns None when the prefill worker took the request, else why it refused it.
 StartPrefillFn = Callable[[str, StartPrefill], Awaitable[str | None]]
 # A router that stays unsubscribed this long loses its requests (its clients are gone).
@@ -105,6 +108,9 @@ TOMBSTONE_S = 60.0
 # A step loop that fails this many times in a row ends the requests of the failing step
 # (an error to each client) instead of retrying them forever.
 MAX_STEP_FAILURES = 3
+# Events kept for the scheduler while its reports fail (it is restarting, say): the oldest
+# beyond this go (a restarted scheduler learns what this worker holds from its hello).
+MAX_UNREPORTED = 10_000
 
 
 class Stage(enum.Enum):
@@ -852,6 +858,8 @@ class DecodeWorker:
             self._report_task = asyncio.get_running_loop().create_task(self._send_report())
 
     def _take_report(self) -> WorkerReport:
+        """The report of now; its events, block events and transfers stay listed here until
+        it is delivered (``_send_report``)."""
         moving = (Stage.RECEIVING, Stage.MIGRATING)
         running = tuple(RunningReq(rid, len(r.block_ids) if r.stage in moving else
                                    self.sched.local[rid].num_blocks if rid in self.sched.local
@@ -868,7 +876,6 @@ class DecodeWorker:
                            self.sched.costs.to_tuple(), self.num_steps,
                            is_busy=self.sched.has_work() and not self._plan_was_empty,
                            memory=self.ledger.report(self.engine))
-        self._events, self._block_events, self._transfers = [], [], []
         return rep
 
     async def _send_report(self) -> None:
@@ -880,12 +887,20 @@ class DecodeWorker:
             for s in self.producer.drain_stats():
                 if s.state.value == "done" and s.num_bytes:
                     self.ledger.moved(s.num_bytes, s.duration_s, self._moved_to.pop(s.req_id, ""))
+        rep = self._take_report()
         try:
-            await self._report_fn(self._take_report())
+            delivered = await self._report_fn(rep) is not False
         except asyncio.CancelledError:
             raise
         except Exception:  # the scheduler may be restarting: report next time
             log.exception("decode worker %s: report failed", self.worker_id)
+            delivered = False
+        # What it carried goes once delivered (what came meanwhile stays either way): an
+        # event lost here (a finish, a failed transfer) would leave the request in the
+        # scheduler's books of this worker.
+        kept = (self._events, self._block_events, self._transfers)
+        for book, sent in zip(kept, (rep.events, rep.block_events, rep.transfers), strict=True):
+            del book[:len(sent) if delivered else -MAX_UNREPORTED]
 
     async def _report_loop(self) -> None:
         while True:

@@ -31,6 +31,10 @@ Life of a request on a prefill worker (STYLE.md item 7):
    worker gets a ``Prefilled`` with the error, which goes to its client. A step loop that
    fails MAX_STEP_FAILURES times in a row ends the requests of that step the same way.
 
+Reports to the global scheduler (its PREFILL_DONE events, the prefix cache's block events,
+the prompts still queued here) go right after a step that produced events, else every
+control interval; a report that does not get there leaves its events for the next one.
+
 :class:`PrefillWorker` is a plain class; the Ray actor around it lives in
 ``cluster/worker_actors.py``.
 """
@@ -68,9 +72,14 @@ from scheduler.topology import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-ReportFn = Callable[[WorkerReport], Awaitable[None]]
+# Sends a report to the global scheduler; False (or raising): it did not get there, and its
+# events go with the next one.
+ReportFn = Callable[[WorkerReport], Awaitable[bool | None]]
 NotifyFn = Callable[[str, PrefilledBatch], Awaitable[None]]
 MAX_STEP_FAILURES = 3
+# Events kept for the scheduler while its reports fail (it is restarting, say): the oldest
+# beyond this go (a restarted scheduler learns what this worker holds from its hello).
+MAX_UNREPORTED = 10_000
 
 
 @dataclass(slots=True)
@@ -327,20 +336,27 @@ class PrefillWorker:
         running = tuple(RunningReq(rid, 0, 0, self.sched.local[rid].num_prefill_left
                                    if rid in self.sched.local else 0)
                         for rid, j in self._jobs.items() if not j.prefill_done)
+        events, blocks = tuple(self._events), tuple(self._block_events)
         rep = WorkerReport(self.worker_id, self.engine.num_free_blocks,
-                           self.engine.num_total_blocks, tuple(self._events),
-                           tuple(self._block_events), (), running,
+                           self.engine.num_total_blocks, events, blocks, (), running,
                            self.sched.costs.to_tuple(), self.num_steps,
                            is_busy=self.sched.has_work() and not self._plan_was_empty,
                            memory=KVMemoryReport(0, 0, 0, self.engine.num_prefix_query_blocks,
                                                  self.engine.num_prefix_hit_blocks))
-        self._events, self._block_events = [], []
         try:
-            await self._report_fn(rep)
+            delivered = await self._report_fn(rep) is not False
         except asyncio.CancelledError:
             raise
         except Exception:  # the scheduler may be restarting: report next time
             log.exception("prefill worker %s: report failed", self.worker_id)
+            delivered = False
+        # The events stay until a report carried them (those that came meanwhile stay
+        # either way): a PREFILL_DONE lost here would leave the prefill in the scheduler's
+        # book of this worker's queued work.
+        if delivered:
+            del self._events[:len(events)], self._block_events[:len(blocks)]
+        else:
+            del self._events[:-MAX_UNREPORTED], self._block_events[:-MAX_UNREPORTED]
 
     async def _report_loop(self) -> None:
         while True:

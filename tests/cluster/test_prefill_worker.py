@@ -276,3 +276,41 @@ def test_a_worker_whose_step_hangs_keeps_no_transfer_alive() -> None:
     finally:
         close(rig)
     assert (status.state, status.reason.value) == (TransferState.FAILED, "timeout"), status
+
+
+@pytest.mark.parametrize("failure", ["raises", "not delivered"])
+def test_a_report_that_fails_keeps_its_events_for_the_next(failure: str) -> None:
+    """The report that carries a PREFILL_DONE does not reach the scheduler (its RPC raised,
+    or the link says it was not delivered): the event goes with the next report. Lost, the
+    scheduler's book would keep the prefill as this worker's queued work."""
+    failed: list[WorkerReport] = []
+    delivered: list[WorkerReport] = []
+
+    async def report(rep: WorkerReport) -> bool:
+        if not failed and any(e.event is WorkerEvent.PREFILL_DONE for e in rep.events):
+            failed.append(rep)
+            if failure == "raises":
+                raise TimeoutError("the scheduler did not answer")
+            return False
+        delivered.append(rep)
+        return True
+
+    rig = make_rig("tierserve", num_blocks=64, chunk=8, report=report)
+
+    async def scenario() -> None:
+        rig.worker.start()
+        try:
+            await start(rig, "r1", 16, tier=1)
+            await until(lambda: bool(failed), "the report with the first token fails")
+            n = len(delivered)
+            await until(lambda: len(delivered) > n, "a later report is delivered")
+        finally:
+            await rig.worker.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(rig)
+    done = [e for rep in delivered for e in rep.events if e.event is WorkerEvent.PREFILL_DONE]
+    assert [e.req_id for e in done] == ["r1"]
+    assert done[0] == next(e for e in failed[0].events if e.event is WorkerEvent.PREFILL_DONE)
