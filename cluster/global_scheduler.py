@@ -527,7 +527,14 @@ class GlobalScheduler:
         shares = getattr(self.policy, "shares", None)
         if shares is not None and len(shares) == n:
             self.metrics.set_shares([min(max(float(x), 0.0), 1.0) for x in shares])
+        self.metrics.set_work_conservation(self.work_conservation_s())
         return self.metrics.render(), CONTENT_TYPE
+
+    def work_conservation_s(self) -> list[float]:
+        """Per tier, the kernel's seconds past one planning interval that a waiting request
+        fitted a decode worker and was not placed, up to now (0 for a policy that does not
+        claim work conservation)."""
+        return list(self.core.work_conservation_s(time.time()))
 
     def stats(self) -> dict[str, object]:
         return {
@@ -542,6 +549,9 @@ class GlobalScheduler:
                                       for req, _, _ in self.core.entries()),
             "transfers_by_class": dict(self.transfers_by_class),
             "preemptions": dict(self.preemptions),
+            # Per tier: seconds a waiting request that fitted a worker was left unplaced
+            # past one planning interval (tierserve:work_conservation_seconds_total).
+            "work_conservation_s": self.work_conservation_s(),
             "kv_memory": self.kv_stats.snapshot(self.core.links.snapshot()),
             "workers": {wid: {"alive": w.is_alive, "free": w.num_free_blocks,
                               "total": w.info.num_kv_blocks, "domain": w.info.domain,

@@ -14,6 +14,7 @@ Data flow::
     kvtransfer done ──on_transfer(topology_class, num_bytes, seconds)──▶ transfer figures
     periodic snapshot ──set_queue_depth / set_request_counts / set_kv_usage / set_shares
                         / on_prefix_lookup──▶ gauges and prefix-cache counters
+                        / set_work_conservation──▶ the work-conservation counter
     GET /metrics ──render() -> bytes (CONTENT_TYPE)
 
 API (all methods are cheap, synchronous and thread-safe through prometheus-client):
@@ -36,7 +37,10 @@ API (all methods are cheap, synchronous and thread-safe through prometheus-clien
 - ``set_queue_depth(tier, n)``, ``set_request_counts(tier, *, running, preempted, swapped)``,
   ``set_kv_usage(worker_id, used_blocks, total_blocks)``, ``set_shares(shares)``,
   ``set_kv_memory(worker_id, swap_used, swap_peak, prefix_query_blocks,
-  prefix_hit_blocks)`` (swapped blocks and the prefix hit rate per worker).
+  prefix_hit_blocks)`` (swapped blocks and the prefix hit rate per worker),
+  ``set_work_conservation(seconds_by_tier)`` (the kernel's running totals per tier of
+  ``ClusterScheduler.work_conservation_s``; ``tierserve:work_conservation_seconds_total``
+  moves by what each grew).
 - ``render() -> bytes`` and the module constant ``CONTENT_TYPE`` for the HTTP response.
 
 Several processes: each renders its own registry; the expositions of recorders that
@@ -183,6 +187,11 @@ class MetricsRecorder:
                                       "swap space now.", ["worker_id"], registry=r)
         self.swap_peak_blocks = Gauge(p + "kv_swap_peak_blocks", "Most KV blocks a worker's host "
                                       "swap space held at once.", ["worker_id"], registry=r)
+        self.work_conservation = Counter(p + "work_conservation_seconds", "Seconds past one "
+                                         "planning interval that a waiting request of this "
+                                         "tier fitted a decode worker and was not placed.",
+                                         ["tier"], registry=r)
+        self._work_conservation_seen: dict[str, float] = {}
         self.worker_prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of the prompt "
                                             "blocks a worker looked up in its prefix cache that "
                                             "were hits (since it started).", ["worker_id"],
@@ -295,6 +304,19 @@ class MetricsRecorder:
                 gauge.remove(w)
             except KeyError:  # never reported
                 pass
+
+    def set_work_conservation(self, seconds_by_tier: Sequence[float]) -> None:
+        """The kernel's running totals per tier (``ClusterScheduler.work_conservation_s``):
+        the counter moves by what each grew since the last call (a total that went down,
+        a restarted kernel's, starts counting again from there)."""
+        for tier, total in enumerate(seconds_by_tier):
+            if not (math.isfinite(total) and total >= 0):
+                raise ValueError(f"set_work_conservation: tier {tier} total {total} is not "
+                                 ">= 0 seconds")
+            t = str(tier)
+            seen = self._work_conservation_seen.get(t, 0.0)
+            self.work_conservation.labels(t).inc(total - seen if total >= seen else total)
+            self._work_conservation_seen[t] = total
 
     def set_shares(self, shares: Sequence[float] | Mapping[int, float]) -> None:
         items = shares.items() if isinstance(shares, Mapping) else enumerate(shares)

@@ -176,6 +176,38 @@ def test_preempt_orders_are_sent_and_counted() -> None:
     asyncio.run(go())
 
 
+def test_work_conservation_reaches_stats_and_the_metrics_per_tier(monkeypatch) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counter(gs: GlobalScheduler) -> dict[str, float]:
+        text = gs.render_metrics()[0].decode()
+        return {s.labels["tier"]: s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "tierserve:work_conservation_seconds_total"}
+
+    async def go() -> None:
+        gs, _ = make_scheduler({"d-a": 64})
+        gs.submit_batch(SubmitBatch((spec("x", 40, tier=2),)))
+        await settle(gs)
+        # Nothing that fitted was left waiting: zero for every tier, in both places.
+        assert gs.stats()["work_conservation_s"] == [0.0] * 4
+        assert counter(gs) == {str(t): 0.0 for t in range(4)}
+        # What the kernel counts is what both show, per tier.
+        asked: list[float] = []
+
+        def totals(now: float) -> tuple[float, ...]:
+            asked.append(now)
+            return (0.0, 1.5, 0.0, 0.25)
+
+        monkeypatch.setattr(gs.core, "work_conservation_s", totals)
+        assert gs.stats()["work_conservation_s"] == [0.0, 1.5, 0.0, 0.25]
+        assert counter(gs) == {"0": 0.0, "1": 1.5, "2": 0.0, "3": 0.25}
+        assert counter(gs)["1"] == 1.5  # a scrape again counts nothing twice
+        assert asked and all(abs(t - time.time()) < 60 for t in asked)  # asked for now
+        await gs.close()
+
+    asyncio.run(go())
+
+
 def test_a_dead_worker_ends_its_requests_with_a_retryable_notice() -> None:
     async def go() -> None:
         gs, w = make_scheduler({"d-a": 64, "d-b": 64})

@@ -98,6 +98,25 @@ def test_gauges_snapshot_kv_queue_shares_and_prefix_hits() -> None:
     assert value(scrape(rec), "tierserve:kv_cache_usage_perc", worker_id="decode-1") == 0.25
 
 
+def test_work_conservation_counter_follows_the_kernels_running_totals() -> None:
+    rec = MetricsRecorder(default_tiers())
+    rec.set_work_conservation([0.0, 0.0, 0.0, 0.0])
+    s = scrape(rec)
+    assert all(value(s, "tierserve:work_conservation_seconds_total", tier=str(t)) == 0
+               for t in range(4))
+    rec.set_work_conservation([0.0, 1.5, 0.0, 0.25])
+    rec.set_work_conservation([0.0, 2.0, 0.0, 0.25])  # a total, not an increment
+    s = scrape(rec)
+    assert value(s, "tierserve:work_conservation_seconds_total", tier="1") == pytest.approx(2.0)
+    assert value(s, "tierserve:work_conservation_seconds_total", tier="3") == pytest.approx(0.25)
+    assert value(s, "tierserve:work_conservation_seconds_total", tier="0") == 0
+    # A total that went down is a restarted kernel's: the counter never goes back.
+    rec.set_work_conservation([0.0, 0.5, 0.0, 0.25])
+    assert value(scrape(rec), "tierserve:work_conservation_seconds_total",
+                 tier="1") == pytest.approx(2.5)
+    assert "tierserve:work_conservation_seconds" in METRIC_NAMES
+
+
 def test_recorders_do_not_share_a_registry() -> None:
     a, b = MetricsRecorder(), MetricsRecorder()
     a.on_transfer("cross_node", 10, 0.1)
@@ -121,6 +140,8 @@ def test_every_family_is_prefixed_and_listed() -> None:
         lambda r: r.on_transfer("same_node", -1, 0.1),
         lambda r: r.on_prefix_lookup(2, 3),
         lambda r: r.set_shares([1.5, -0.5]),
+        lambda r: r.set_work_conservation([0.0, -1.0]),
+        lambda r: r.set_work_conservation([float("nan")]),
         lambda r: r.on_request_finished(0, -1.0, None, 1.0, met_slo=True),
         lambda r: r.on_request_finished(0, 0.1, None, 1.0),  # no TierConfig, no met_slo
     ],
