@@ -12,7 +12,11 @@ It runs once per policy (``--policies``, default ``tierserve`` and ``vllm-priori
 per arrival rate (``--rates``), the order of the policies turning with each rate.
 
 What it writes (``--json OUT``), per rate and policy: tier attainment (and TTFT / TPOT
-percentiles) under the cluster's tier targets for this machine, preemptions by mode,
+percentiles) under the cluster's tier targets for this machine, the weighted miss
+objective over them (``weighted_miss``, ``scheduler.objective``, the config's tier weights),
+goodput, when the last request ended (``last_end_s``, from the first arrival), the
+kernel's work-conservation seconds per tier during the run (``work_conservation_s``),
+preemptions by mode,
 restore time by mode and by topology class (as the workers timed them: swap-in copy,
 recompute from its first chunk to its next token, migration from the target's
 reservation to decoding there), the pause from preemption to the next decode step, the
@@ -33,9 +37,9 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 TIER_MIX = (0.2, 0.2, 0.3, 0.3)
@@ -131,6 +135,12 @@ async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: st
 
     async def one(i: int, a: Arrival) -> Outcome:
         await asyncio.sleep(max(0.0, start + a.at_s - time.perf_counter()))
+        sent = time.perf_counter() - start
+        o = await attempt(i, a)
+        o.sent_s, o.end_s = sent, time.perf_counter() - start
+        return o
+
+    async def attempt(i: int, a: Arrival) -> Outcome:
         spec = GenerationSpec(f"{tag}-{i}", a.prompt, SamplingSpec(a.max_tokens, 0.0),
                               tier=a.tier, tenant="bench", arrival_time=time.time())
         t0 = time.perf_counter()
@@ -191,8 +201,9 @@ async def _status_line(handles: Any) -> str:
              for wid, w in sorted(stats["workers"].items()) if w["role"] == "decode"]
     by_tier = "/".join(str(stats.get("queued_by_tier", {}).get(str(t), 0)) for t in range(4))
     pre = sum(w["num_prefilling"] for w in stats["workers"].values() if w["role"] == "prefill")
+    wc = sum(stats.get("work_conservation_s") or ())
     return (f"queued {stats['num_queued']} (by tier {by_tier}), live {stats['num_live']}, "
-            f"prefilling {pre}; " + ", ".join(parts))
+            f"prefilling {pre}; " + ", ".join(parts) + f"; work conservation {wc:.1f} s")
 
 
 def _leaked(stats: dict[str, Any]) -> int:
@@ -365,7 +376,7 @@ def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> d
                                  "bench", handles.max_model_len, 10.0, args.request_timeout)
         warm = workload(2.0, 2.0, args.seed + 1000)[:4]
         await drive(backend, warm, args.request_timeout, f"warm-{policy}")
-        base = (await _idle(handles, 60))["kv_memory"]
+        before = await _idle(handles, 60)
         arrivals = workload(rate, args.duration, args.seed)
         t0 = time.perf_counter()
         outcomes = await drive(backend, arrivals, args.request_timeout, f"{policy}-{rate}",
@@ -373,7 +384,7 @@ def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> d
         wall = time.perf_counter() - t0
         stats = await _idle(handles, 120)
         summary = summarize(outcomes, cfg.tier_config, args.duration, policy, "in-process")
-        result = _figures(summary, stats["kv_memory"], base, stats)
+        result = _figures(summary, stats["kv_memory"], before["kv_memory"], stats, before)
         reasons: dict[str, int] = {}
         for o in outcomes:
             if not o.ok:
@@ -410,7 +421,12 @@ async def _explain_misses(handles: Any, outcomes: list[Any], tiers: Any) -> list
 
 
 def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
-             stats: dict[str, Any]) -> dict[str, Any]:
+             stats: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's figures from its ``http_replay.summarize`` summary and the scheduler's
+    stats once idle (``stats``; ``kv`` its ``kv_memory``), less what the warm-up left
+    (``base``: the warm-up's ``kv_memory``; ``before``: its whole stats)."""
+    from cluster.http_replay import counter_delta
+
     tiers = summary["tiers"]
     modes = ("swap", "recompute", "migrate")
     workers = kv["workers"]
@@ -418,6 +434,17 @@ def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
     return {
         "tier0_attainment": tiers["0"]["attainment"],
         "attainment": {t: s["attainment"] for t, s in tiers.items()},
+        # The objective (scheduler.objective, tier weights from the run's config; a
+        # rejection, an error and a timeout are misses), goodput, and when the last
+        # request ended (seconds from the first arrival).
+        "weighted_miss": summary["weighted_miss"],
+        "goodput_rps": summary["goodput_rps"],
+        "last_end_s": summary["last_end_s"],
+        # Per tier, seconds past one planning interval that a waiting request fitted a
+        # decode worker and was not placed, during the run (0 unless the policy claims
+        # work conservation).
+        "work_conservation_s": counter_delta(
+            (before or {}).get("work_conservation_s"), stats.get("work_conservation_s")),
         "tiers": tiers,
         "errors": summary["errors"], "rejected": summary["rejected"],
         "preemptions": {m: kv["preemptions"][m] - base["preemptions"][m] for m in modes},
@@ -496,6 +523,10 @@ def _print(policy: str, r: dict[str, Any]) -> None:
     att = " ".join(f"t{t}={v:.3f}" if v is not None else f"t{t}=-"
                    for t, v in r["attainment"].items())
     restore = {m: (round(v, 2) if v is not None else None) for m, v in r["restore_ms"].items()}
-    print(f"  {policy} @ {r['rate']}/s: {att}  preemptions {r['preemptions']}  restore_ms "
-          f"{restore}  peak swap {r['peak_swap_blocks']}  leaked {r['leaked_blocks']}  "
-          f"errors {r['errors']}  ({r['wall_s']:.0f} s)", flush=True)
+    wm, last, wc = r.get("weighted_miss"), r.get("last_end_s"), r.get("work_conservation_s")
+    print(f"  {policy} @ {r['rate']}/s: {att}  weighted miss "
+          f"{'-' if wm is None else f'{wm:.3f}'}  goodput {r.get('goodput_rps', 0.0):.2f}/s  "
+          f"last end {'-' if last is None else f'{last:.0f} s'}  work conservation "
+          f"{'-' if wc is None else f'{sum(wc):.1f} s'}  preemptions {r['preemptions']}  "
+          f"restore_ms {restore}  peak swap {r['peak_swap_blocks']}  leaked "
+          f"{r['leaked_blocks']}  errors {r['errors']}  ({r['wall_s']:.0f} s)", flush=True)
