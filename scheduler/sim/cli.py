@@ -126,11 +126,16 @@ def _row(run: dict) -> list[str]:
                     f"{ms(d['ttft_p99']):>8} {ms(d['tpot_p99']):>7} {d['completed']:>6} "
                     f"{d['rejected']:>5} {100 * d['token_share']:>6.1f}")
     hit = run["prefix_hit_rate"]
-    rows.append(f"{'':<24} {'':>6} {'all':>4} goodput {run['goodput_rps']:.2f} req/s, "
+    wm, last = run.get("weighted_miss"), run.get("last_end_s")
+    wc = run.get("work_conservation_s")
+    rows.append(f"{'':<24} {'':>6} {'all':>4} weighted miss "
+                f"{'-' if wm is None else f'{wm:.4f}'}, goodput {run['goodput_rps']:.2f} req/s, "
+                f"last end {'-' if last is None else f'{last:.1f} s'}, "
                 f"{run['throughput_tok_s']:.0f} tok/s, {run['preemptions']} preemptions, "
                 f"prefix hit {'-' if hit is None else f'{100 * hit:.1f}%'}"
                 + (f" (Belady {100 * run['belady_hit_rate']:.1f}%)"
                    if run.get("belady_hit_rate") is not None else "")
+                + (f", work conservation {sum(wc):.2f} s" if wc is not None else "")
                 + (", SLO bars cleared" if run.get("cleared") else "")
                 + f", {run['wall_s']:.1f}s wall")
     return rows

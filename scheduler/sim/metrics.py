@@ -10,6 +10,12 @@ at completion, up to the last arrival), which is where a tier can be squeezed.
 A tier starves when either is below 80 % of min(its share, its demand). Invariant counts cover the
 whole run.
 
+``weighted_miss`` is the objective (:mod:`scheduler.objective`: each tier's weight times
+its miss share, over the tiers that had requests, the run's tier weights); ``last_end_s``
+the seconds from the first arrival to the last request's end; ``work_conservation_s`` the
+kernel's seconds per tier that a waiting request fitted a decode worker and was not placed
+within a planning interval.
+
 Output tokens are what the client got (the trace's output length, capped by the run's
 ``max_tokens``); the request's ``max_new_tokens`` is only the budget the kernel saw.
 A request is completed when it finished by EOS (stop) or by its budget (length).
@@ -25,6 +31,7 @@ from scheduler.invariants import (
     check_transitions,
     count_by_invariant,
 )
+from scheduler.objective import tier_weights, weighted_miss
 from scheduler.request import RequestState
 from scheduler.sim.belady import belady_hits
 from scheduler.sim.simulator import Simulator
@@ -111,6 +118,10 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
             "starved": min(share, loaded) < STARVATION_FLOOR * entitled,
         }
     reqs = [j.req for j in sim.jobs.values()]
+    # When the last request ended, from the first arrival: its finish (a rejection's
+    # included), or the end of the simulation for one that never finished.
+    last_end = (max(r.finish_time if r.finish_time is not None else sim.now for r in reqs)
+                - min(arrivals) if reqs else None)
     records = [r for req in reqs for r in req.history]
     violations = list(sim.violations)
     violations += check_transitions(records)
@@ -124,6 +135,14 @@ def summarize(sim: Simulator, load: float, with_belady: bool = True) -> dict[str
         "mode": sim.mode.value,
         "max_tokens": sim.max_tokens,
         "goodput_rps": attained / span,
+        # The objective (scheduler.objective): the tiers' weights from the run's TierConfig;
+        # attainment counts rejected and unfinished requests as misses.
+        "weighted_miss": weighted_miss({t: d["attainment"] for t, d in tier_out.items()},
+                                       tier_weights(tiers)),
+        "last_end_s": last_end,
+        # Per tier, the kernel's seconds past one planning interval that a waiting request
+        # fitted a decode worker and was not placed (0 unless the policy claims it).
+        "work_conservation_s": list(sim.cs.work_conservation_s(sim.now)),
         "throughput_tok_s": out_tokens / max(last, 1e-9),
         "preemptions": sim.num_preemptions,
         "prefix_hit_rate": hits / lookups if lookups else None,

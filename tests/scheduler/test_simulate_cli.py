@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
+from scheduler.objective import tier_weights, weighted_miss
+from scheduler.tiers import default_tiers
 
 SPEC = "rate=8,duration=6,prompt=800,output=60,prefix_groups=2"
 SMALL = "prefill=1,decode=1,gpus_per_node=2"
@@ -23,15 +25,24 @@ def test_json_shape_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture
     assert [(r["policy"], r["load"]) for r in runs] == [
         ("tierserve", 1.0), ("tierserve", 2.0), ("vllm-fcfs", 1.0), ("vllm-fcfs", 2.0)]
     for r in runs:
-        for key in ("goodput_rps", "throughput_tok_s", "preemptions", "prefix_hit_rate", "wall_s"):
+        for key in ("goodput_rps", "throughput_tok_s", "preemptions", "prefix_hit_rate", "wall_s",
+                    "weighted_miss", "last_end_s", "work_conservation_s"):
             assert key in r
         assert set(r["tiers"]) == {"0", "1", "2", "3"}
+        # The objective from the run's attainment and the default tiers' weights.
+        assert r["weighted_miss"] == pytest.approx(weighted_miss(
+            {t: d["attainment"] for t, d in r["tiers"].items()}, tier_weights(default_tiers())))
+        assert 0.0 < r["last_end_s"] <= r["sim_end_s"]
+        assert len(r["work_conservation_s"]) == 4
+        if r["policy"] != "tierserve":  # only a policy that claims it is held to it
+            assert r["work_conservation_s"] == [0.0] * 4
         for t in r["tiers"].values():
             for key in ("attainment", "ttft_p50", "ttft_p99", "tpot_p99", "completed", "rejected"):
                 assert key in t
     assert png.stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "tierserve" in printed and "goodput" in printed
+    assert "weighted miss" in printed and "last end" in printed
 
 
 def test_unknown_policy_is_refused_with_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
