@@ -6,17 +6,20 @@ kinds of later need, and for nothing else:
 1. **More urgent arrivals.** The KV blocks per second that arriving requests of tiers
    before t ask for (:class:`DemandMeter`, measured over the last ``TAU_S`` seconds), the
    share that lands on this worker, over the worker's *release window*: how long its own
-   decodes take to give back one such request's blocks as they finish. Within that window
-   an urgent arrival finds the reserve; after it, released memory serves it (the kernel
-   hands released blocks to the most urgent waiting request first). No traffic of a more
-   urgent tier: nothing is held for it; nor on a worker whose decodes release nothing
-   (the reserve would never come back, and the request would wait for nothing).
+   decodes take to give back one such request's blocks as they finish, at most
+   ``REACTION_PLANS`` planning intervals. Within that window an urgent arrival finds the
+   reserve; after it, released memory serves it (the kernel hands released blocks to the
+   most urgent waiting request first) or the kernel preempts for it (tier 0 at once).
+   Sized to the whole flow of a busy tier instead, the reserve held half of each worker
+   idle under overload (issue 22's bench-pressure run: tiers 2 and 3 queued for minutes
+   beside 100 free blocks). No traffic of a more urgent tier: nothing is held for it; nor
+   on a worker whose decodes release nothing (the reserve would never come back).
 2. **Growth of the running decodes** (tiers after 0 only): the blocks they add within one
    anti-thrash window at the worker's measured step time, each up to its token budget,
    so growth does not force a preemption inside it (a release at a decode's predicted
    end is not counted against it: output lengths are a guess, growth is not).
 
-Both are capped at ``MAX_FRACTION`` of the worker. The same :func:`decode_reserve` is
+Both together are capped at ``MAX_FRACTION`` of the worker. The same :func:`decode_reserve` is
 what placement applies and what the work-conservation invariant reads
 (:mod:`scheduler.invariants`): a waiting request that fits a worker's free blocks less
 this reserve must be placed.
@@ -30,8 +33,10 @@ from dataclasses import dataclass
 
 # Arrival demand is averaged over about this many seconds (an exponentially decayed sum).
 TAU_S = 10.0
-# The longest release window a reserve covers (a worker that releases nothing soon).
-MAX_WINDOW_S = 5.0
+# The longest window a reserve covers, in planning intervals: past it the kernel makes
+# room for an urgent arrival itself (tier 0 preempts at once, a later tier once late),
+# and memory held idle longer only starves the tiers that could use it.
+REACTION_PLANS = 2
 # No reserve takes more than this share of a worker's blocks.
 MAX_FRACTION = 0.5
 
@@ -131,7 +136,7 @@ def decode_reserve(tier: int, urgent: UrgentDemand, *, num_kv_blocks: int,
         # A worker that releases nothing (none of its requests decodes) would hold the
         # reserve forever and starve the request: an urgent arrival preempts instead.
         if rel > 0:
-            reserve += rate * max(min(size / rel, MAX_WINDOW_S), min_window_s)
+            reserve += rate * min(size / rel, REACTION_PLANS * min_window_s)
     if tier > 0:
         reserve += growth
     return min(math.ceil(reserve), int(MAX_FRACTION * num_kv_blocks))
