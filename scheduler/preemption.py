@@ -8,10 +8,13 @@ priced by a named scorer:
 - ``design-notes``: score = mem / (progress + eps) x reuse_value; a high score
   is a good victim (much memory, little progress lost, blocks that survive as a
   prefix elsewhere). Its cost is 1 / score.
-- ``topology`` (default): cost = tier weight x restore cost / the slack to its own
-  target left after the restore (at least ``SLACK_FLOOR_S``), so the victim with the
-  most slack per second of restore goes first (issue 22: a batch request with minutes
-  to spare, not one whose deadline is near); restore cost
+- ``topology`` (default): cost = tier weight x restore cost x (1 + restore cost / the
+  slack to its own target left after the restore, at least ``SLACK_FLOOR_S``): the
+  restore's work at the tier's weight (it takes capacity every request on the worker
+  shares), raised by the risk that it makes the victim late, so of two victims with the
+  same restore the one with more slack goes first, and one the restore would make late
+  costs most (issue 22: a batch request with minutes to spare, not one whose deadline is
+  near); restore cost
   is the least of: swap-in over the host link (only while its worker's swap space
   has room for it), recompute (a prefill of its context, less the blocks another
   request keeps cached there), or a move to a peer decode worker with room (it
@@ -139,10 +142,12 @@ def restore_options(v: VictimView, costs: LinkPricer, est: ServiceEstimate,
 def _score(v: VictimView, scorer: VictimScorer, tiers: TierConfig, restore_s: float,
            slack: float) -> float:
     if scorer is VictimScorer.TOPOLOGY:
-        # What it loses per second it can spare: its restore against the slack to its own
-        # target that is left once restored (a victim the restore makes late is priced as
-        # if it had SLACK_FLOOR_S left).
-        return tiers[v.req.tier].weight * restore_s / max(slack - restore_s, SLACK_FLOOR_S)
+        # The restore's work at the tier's weight (it takes capacity from every request
+        # the worker serves), raised by the risk that it makes the victim late: its
+        # restore against the slack to its own target left once restored (a victim the
+        # restore makes late is priced as if it had SLACK_FLOOR_S left).
+        risk = restore_s / max(slack - restore_s, SLACK_FLOOR_S)
+        return tiers[v.req.tier].weight * restore_s * (1.0 + risk)
     progress = v.req.num_output_tokens / max(v.req.max_new_tokens, 1)
     reuse_value = 1.0 + v.num_shared_blocks / max(v.num_blocks, 1)
     score = v.num_blocks / (progress + EPS) * reuse_value

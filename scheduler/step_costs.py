@@ -168,6 +168,12 @@ class StepCosts:
                 num_decodes=round(b), decode_context=int(b * self._typical_context)))
         return self._decode_token_s
 
+    @property
+    def typical_decode(self) -> tuple[float, float]:
+        """The decode batch this worker typically runs, and its context per decode (EWMAs
+        over the steps it observed): where its fitted decode costs are trustworthy."""
+        return self._typical_decodes, self._typical_context
+
     def decode_step_s(self, num_decodes: int, context_tokens: int) -> float:
         return self.step_s(StepShape(num_decodes=num_decodes, decode_context=context_tokens))
 

@@ -57,8 +57,9 @@ def test_victims_of_one_plan_share_the_swap_space_and_the_peers_room() -> None:
 
 def test_the_victim_with_the_most_slack_per_second_of_restore_goes_first() -> None:
     """Issue 22: victims were priced by tier weight x restore cost alone, so of two
-    batch requests the one about to miss its 30 s target could be taken; now the one
-    with minutes to spare goes, and a victim the restore would make late costs most."""
+    batch requests with the same restore the one nearer its 30 s target could be taken;
+    now the one with more slack goes, and a victim the restore would make late costs
+    most."""
     w = make_worker("d0")
     late = make_request("late", tier=2, arrival=-18.0, prompt=1000, out=10,
                         state=RequestState.DECODING)  # 30 s target, 2 s left at t=10
@@ -74,8 +75,12 @@ def test_the_victim_with_the_most_slack_per_second_of_restore_goes_first() -> No
                         state=RequestState.DECODING)
     plan = _pick([VictimView(fresh, w, 40), VictimView(best, w, 40)], need=10, modes=modes)
     assert [v.req_id for v in plan.victims] == ["best"]
-    ends = _pick([VictimView(late, w, 40)], need=10, modes=modes).victims[0].cost
-    assert ends > _pick([VictimView(fresh, w, 40)], need=10, modes=modes).victims[0].cost * 5
+    # One whose restore (a 1,000-token recompute) would take longer than the slack it
+    # has left costs many times more than the same restore with time to spare.
+    ends = make_request("ends", tier=2, arrival=-19.97, prompt=1000, out=10,
+                        state=RequestState.DECODING)
+    cost = _pick([VictimView(ends, w, 40)], need=10, modes=modes).victims[0].cost
+    assert cost > _pick([VictimView(fresh, w, 40)], need=10, modes=modes).victims[0].cost * 5
 
 
 def test_a_victim_sharing_its_prefix_frees_less_and_recomputes_cheaper() -> None:
