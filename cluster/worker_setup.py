@@ -103,10 +103,11 @@ def _transfer_endpoint(kind: str, engine: Any, location: Any) -> Any:
         host = "127.0.0.1"
     loc = Location(node_id=location.node, device=location.device,
                    nvlink_domain=location.nvlink_domain, host=host)
-    # The stall timeout is for a hung peer (a dead one is seen at once); the kernel may pause
-    # a started lower-tier prefill between chunks while more urgent prompts run, and at 10 s
-    # such pauses failed transfers under load (9 in a 10-minute peer-bench run).
-    tcfg = TransferConfig(stall_timeout_s=60.0, start_timeout_s=600.0, connect_timeout_s=30.0)
+    # The timeouts are for a hung peer (a dead one is seen at once): a transfer whose prompt
+    # the prefill worker holds back (queued, or paused between chunks while more urgent
+    # prompts run) is kept alive by its keepalives, so the defaults need no padding for it
+    # (they were 60 s / 600 s, which also left a stuck prefill worker unnoticed that long).
+    tcfg = TransferConfig(stall_timeout_s=10.0, start_timeout_s=120.0, connect_timeout_s=30.0)
     cls = KVConsumer if kind == "consumer" else KVProducer
     return cls(engine.pool, location=loc, config=tcfg)
 
