@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-SHAREGPT = Path("/work/shared/traces/sharegpt_v3_first_turn_500.json")
+# The ShareGPT prompts that ship with the project (traces/ at the repository root).
+SHAREGPT = Path(__file__).resolve().parents[1] / "traces" / "sharegpt_v3_first_turn_500.json"
 
 
 def sharegpt_prompts(tokenizer, num_prompts: int, path: Path = SHAREGPT) -> list[list[int]]:

@@ -41,7 +41,9 @@ from scheduler.step_planner import WorkerScheduler
 from scheduler.tiers import TierMix, default_tiers
 from scheduler.topology import WorkerInfo, WorkerRole
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_min00-30.jsonl"
+# The Mooncake trace that ships with the project (traces/ at the repository root).
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "traces"
+                    / "mooncake_conversation_min00-30.jsonl")
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -55,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placements", type=int, default=2000,
                    help="timed placements (default 2000)")
     p.add_argument("--trace", default=DEFAULT_TRACE,
-                   help="Mooncake JSONL trace for the prefix index (default: shared trace)")
+                   help="Mooncake JSONL trace for the prefix index (default: the one in traces/)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--free-blocks", type=int, default=2048,
                    help="free KV blocks beside the running batch (default 2048)")
