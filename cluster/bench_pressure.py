@@ -197,7 +197,8 @@ async def _status_line(handles: Any) -> str:
     stats = await asyncio.wait_for(_stats(handles), 5)
     swap = stats["kv_memory"]["workers"]
     parts = [f"{wid} free {w['free']} promised {w['promised']} swap "
-             f"{swap.get(wid, {}).get('swap_used') or 0}"
+             f"{swap.get(wid, {}).get('swap_used') or 0} reserve "
+             f"{'/'.join(str(x) for x in w.get('reserve') or ())}"
              for wid, w in sorted(stats["workers"].items()) if w["role"] == "decode"]
     by_tier = "/".join(str(stats.get("queued_by_tier", {}).get(str(t), 0)) for t in range(4))
     pre = sum(w["num_prefilling"] for w in stats["workers"].values() if w["role"] == "prefill")

@@ -559,6 +559,8 @@ class GlobalScheduler:
                               "num_held": len(w.held), "num_prefilling": len(w.prefill_left),
                               # blocks dispatches and migrations in flight will take here
                               "promised": w.num_promised,
+                              # blocks a request of each tier leaves free here now
+                              "reserve": list(self.core.decode_reserves(wid)),
                               "node": w.info.node,
                               "role": "decode" if w.can_decode else "prefill",
                               "step_costs": list(w.costs.coefficients)}

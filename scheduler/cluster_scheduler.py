@@ -658,6 +658,16 @@ class ClusterScheduler:
                 self.unplaced_fit_s[t] += max(now - since - step, 0.0)
                 self._unplaced_since[t] = None
 
+    def decode_reserves(self, worker_id: str) -> tuple[int, ...]:
+        """Per tier, the blocks a request of that tier leaves free on decode worker
+        ``worker_id`` now (the policy's ``decode_reserve``; for stats and progress)."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.can_decode:
+            return ()
+        self._dviews = {}
+        view = self._dview(w)
+        return tuple(self.policy.decode_reserve(t, view) for t in range(self.tiers.num_tiers))
+
     def work_conservation_s(self, now: float) -> tuple[float, ...]:
         """Per tier, the seconds past one planning interval that a waiting request fitted
         a decode worker (free blocks less the policy's reserve, a prefill site with room)
