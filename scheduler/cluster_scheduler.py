@@ -887,19 +887,25 @@ class ClusterScheduler:
                                   swap_room=w.swap_room, wait_s=wait))
         return out
 
-    def _growth(self, w: WorkerSlot) -> int:
-        """Blocks the requests ``w`` holds add within one anti-thrash window at its
-        measured step time, each up to its token budget (scheduler.reserves.growth_blocks)."""
+    def _growth(self, w: WorkerSlot) -> tuple[int, ...]:
+        """Per tier t, the blocks the requests of tiers up to t that ``w`` holds add within
+        one anti-thrash window at its measured step time, each up to its token budget
+        (scheduler.reserves.growth_blocks): the growth that a request of tier t placed
+        there could be preempted for (a less urgent grower gives way to it instead)."""
         tokens = int(self.tiers.anti_thrash_s / max(w.costs.decode_token_s(), 1e-6))
-        decodes = []
+        by_tier: list[list[tuple[int, int, int]]] = [[] for _ in range(self.tiers.num_tiers)]
         for rid, blocks in w.held.items():
             e = self.live.get(rid)
             # Reserved, prefilling or on its way here: it decodes (and grows) next.
             if e is not None and e.req.state not in (S.PREEMPTING, S.PREEMPTED):
                 r = e.req
-                decodes.append((r.num_context_tokens, blocks,
-                                r.max_new_tokens - r.num_output_tokens))
-        return growth_blocks(decodes, tokens=tokens, block_size=self.block_size)
+                by_tier[r.tier].append((r.num_context_tokens, blocks,
+                                        r.max_new_tokens - r.num_output_tokens))
+        out, total = [], 0
+        for decodes in by_tier:
+            total += growth_blocks(decodes, tokens=tokens, block_size=self.block_size)
+            out.append(total)
+        return tuple(out)
 
     def _release_rate(self, w: WorkerSlot) -> float | None:
         """Blocks per second ``w``'s decodes give back as they finish (as admission

@@ -40,11 +40,11 @@ class DecodeView:
     num_free_blocks: int
     num_running: int = 0
     # Blocks per second its finishing decodes give back (None: none running, or unknown),
-    # the blocks its running decodes add within an anti-thrash window at its measured
-    # step time, and how many decode workers share the arrivals: what a policy's
-    # measured reserve reads (scheduler.reserves).
+    # per tier t the blocks its requests of tiers up to t add within an anti-thrash window
+    # at its measured step time (empty: none), and how many decode workers share the
+    # arrivals: what a policy's measured reserve reads (scheduler.reserves).
     release_blocks_per_s: float | None = None
-    growth_blocks: int = 0
+    growth_blocks: tuple[int, ...] = ()
     num_workers: int = 1
 
 

@@ -386,7 +386,9 @@ class TierservePolicy(SchedulingPolicy):
             return 0
         return decode_reserve(tier, self.urgent, num_kv_blocks=view.info.num_kv_blocks,
                               release_blocks_per_s=view.release_blocks_per_s,
-                              growth=view.growth_blocks, num_workers=view.num_workers,
+                              growth=(view.growth_blocks[tier]
+                                      if tier < len(view.growth_blocks) else 0),
+                              num_workers=view.num_workers,
                               min_window_s=self.tiers.control_interval_s)
 
     def _victims(self, need_blocks: int, candidates: Sequence[VictimView], now: float,

@@ -14,10 +14,12 @@ kinds of later need, and for nothing else:
    idle under overload (issue 22's bench-pressure run: tiers 2 and 3 queued for minutes
    beside 100 free blocks). No traffic of a more urgent tier: nothing is held for it; nor
    on a worker whose decodes release nothing (the reserve would never come back).
-2. **Growth of the running decodes** (tiers after 0 only): the blocks they add within one
-   anti-thrash window at the worker's measured step time, each up to its token budget,
-   so growth does not force a preemption inside it (a release at a decode's predicted
-   end is not counted against it: output lengths are a guess, growth is not).
+2. **Growth of the running decodes** (tiers after 0 only) of tiers up to t: the blocks
+   they add within one anti-thrash window at the worker's measured step time, each up
+   to its token budget, so their growth does not preempt the request inside it (a
+   release at a decode's predicted end is not counted against it: output lengths are a
+   guess, growth is not). A less urgent decode's growth does not count: when it finds
+   no block, it is the one that gives way.
 
 Both together are capped at ``MAX_FRACTION`` of the worker. The same :func:`decode_reserve` is
 what placement applies and what the work-conservation invariant reads

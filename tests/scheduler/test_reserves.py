@@ -95,3 +95,24 @@ def test_a_batch_request_that_fits_is_placed_when_no_urgent_tier_sends() -> None
     plan = cs.plan(0.3)
     assert [x.req_id for x in plan.dispatches] == ["b"]
     assert cs.unplaced_fits() == []
+
+
+def test_a_less_urgent_decodes_growth_is_no_reserve_for_a_more_urgent_request() -> None:
+    """A running tier-3 decode with a long budget will grow by several blocks a second:
+    a tier-3 arrival leaves that room (it would be the victim when the growth comes), a
+    tier-1 arrival does not (the tier-3 decode gives way to it)."""
+    cs = _cluster()
+    cs.submit(NewRequest("a", 3, 0.0, 120, 4000), 0.0)  # 8 blocks, a long budget
+    cs.plan(0.0)
+    cs.on_dispatch_result("a", True, 0.0, num_free_blocks=92)
+    cs.on_report(WorkerReport("p0", 512, 512, events=(
+        ReqEvent("a", WorkerEvent.PREFILL_DONE, 0.1),)), 0.1)
+    cs.on_report(WorkerReport("d0", 92, 100, events=(
+        ReqEvent("a", WorkerEvent.DECODE_START, 0.2),),
+        running=(RunningReq("a", 8, 1),)), 0.2)
+    growth = cs.decode_reserves("d0")
+    assert growth[0] == growth[1] == growth[2] == 0 and growth[3] >= 3
+    cs.submit(NewRequest("low", 3, 0.3, 90 * BS - 1, 2), 0.3)  # 90 of the 92 free
+    assert not cs.plan(0.3).dispatches
+    cs.submit(NewRequest("mid", 1, 0.4, 90 * BS - 1, 2), 0.4)
+    assert [d.req_id for d in cs.plan(0.4).dispatches] == ["mid"]
