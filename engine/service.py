@@ -36,6 +36,12 @@ class EngineThread:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """Queue ``fn`` now (ahead of every call made after this returns) and give its
+        result as a future: the caller may act on the queued call before it has run."""
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

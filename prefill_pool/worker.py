@@ -137,10 +137,16 @@ class PrefillWorker:
         if rid in self._jobs:
             return "invalid: duplicate request id"
         try:
-            await self._thread.call(self.engine.add_request, rid, prompt, sampling_params(spec),
-                                    prefill_only=True)
+            params = sampling_params(spec)
         except ValueError as e:
             return f"invalid: {e}"
+        # The engine adds it on its thread after the step running now, ahead of any step
+        # planned after this: the planner takes it at once, so the next step can run its
+        # first chunk. Awaiting the add first let the step loop plan that next step
+        # without it (the add's answer came after the step's), so an urgent prompt waited
+        # for two chunks of other prompts instead of one (issue 22, item 6).
+        added = self._thread.submit(self.engine.add_request, rid, prompt, params,
+                                    prefill_only=True)
         self.producer.begin(msg.ticket)
         kreq = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
                        state=RequestState.PREFILLING,
@@ -148,6 +154,14 @@ class PrefillWorker:
         self._jobs[rid] = _Job(spec, msg.decode_worker_id, kreq)
         self.sched.add_prefill(kreq, len(prompt), time.time())
         self._wake.set()
+        try:
+            await added
+        except ValueError as e:  # the engine refused it: it never ran (its chunk was refused)
+            self._jobs.pop(rid, None)
+            self.sched.remove(rid)
+            self.producer.abort(rid)
+            self.producer.forget(rid)
+            return f"invalid: {e}"
         return None
 
     async def abort(self, req_id: str, error: str | None = None) -> None:

@@ -308,3 +308,63 @@ def test_a_report_that_fails_keeps_its_events_for_the_next(failure: str) -> None
     done = [e for rep in delivered for e in rep.events if e.event is WorkerEvent.PREFILL_DONE]
     assert [e.req_id for e in done] == ["r1"]
     assert done[0] == next(e for e in failed[0].events if e.event is WorkerEvent.PREFILL_DONE)
+
+
+def test_a_prompt_started_during_a_step_is_planned_for_the_next_one() -> None:
+    """Issue 22 item 6: the engine's add of a new prompt queues behind the step running
+    on the engine thread; the worker used to await it before the planner knew the prompt,
+    so the step loop planned the step after the running one without it (an urgent prompt
+    waited for two chunks of other prompts). The planner now holds it while the step
+    still runs, and it is prefilled and sent like any other."""
+    rig = make_rig("tierserve", num_blocks=128, chunk=8)
+    runner = HangingRunner(SlowRunner(rig.engine.runner, 0.01))
+    rig.engine.runner = runner
+
+    async def scenario() -> None:
+        rig.worker.start()
+        try:
+            await start(rig, "low", 64, tier=3)  # eight chunks
+            await until(lambda: rig.worker.sched.local["low"].num_computed > 0,
+                        "the first chunk ran")
+            runner.hang.set()
+            await until(runner.hanging.is_set, "a later chunk's step is running")
+            urgent = asyncio.ensure_future(start(rig, "urgent", 8, tier=0))
+            await until(lambda: "urgent" in rig.worker.sched.local,
+                        "the planner holds the urgent prompt while the step runs")
+            assert not urgent.done()  # its engine add still waits for the running step
+            runner.hang.clear()
+            runner.release.set()
+            await urgent
+            await until(lambda: {p.req_id for p in rig.prefilled} >= {"urgent", "low"},
+                        "both prompts were prefilled")
+        finally:
+            runner.release.set()
+            await rig.worker.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        close(rig)
+    assert all(p.error is None for p in rig.prefilled)
+
+
+def test_a_prompt_the_engine_refuses_is_answered_and_leaves_nothing_behind() -> None:
+    rig = make_rig("tierserve", num_blocks=128, chunk=8)
+
+    async def scenario() -> str | None:
+        rig.worker.start()
+        try:
+            spec = _spec("bad", 8, 0)
+            bad = GenerationSpec(spec.req_id, (10**9,), spec.sampling, tier=0, tenant="t",
+                                 arrival_time=spec.arrival_time, router_id="r")
+            ticket = rig.consumer.expect("bad", [0])
+            return await rig.worker.start_request(StartPrefill(bad, "decode-0", ticket))
+        finally:
+            await rig.worker.stop()
+
+    try:
+        refusal = asyncio.run(scenario())
+    finally:
+        close(rig)
+    assert refusal is not None and refusal.startswith("invalid:"), refusal
+    assert "bad" not in rig.worker.sched.local and "bad" not in rig.worker._jobs
