@@ -81,6 +81,8 @@ S = RequestState
 D = Decision
 # Longest a rejection sheds its tier before admission looks again.
 SHED_WINDOW_S = 0.5
+# Weight of a report's measured decode pace in a worker's running average.
+PACE_ALPHA = 0.2
 # A preemption order neither reported nor answered within this is forgotten.
 PREEMPT_ANSWER_S = 2.0
 # An abort that arrives before its request's submission (they travel separately) is kept
@@ -176,6 +178,18 @@ class SchedulerObserver(Protocol):
 
 
 @dataclass(slots=True)
+class _Pace:
+    """Tokens the decoding requests of one report gained, and how many there were."""
+
+    tokens: int = 0
+    num: int = 0
+
+    def add(self, grew: int) -> None:
+        self.tokens += grew
+        self.num += 1
+
+
+@dataclass(slots=True)
 class WorkerSlot:
     """The scheduler's view of one worker."""
 
@@ -202,6 +216,20 @@ class WorkerSlot:
     memory: KVMemoryReport | None = None
     # Decode side: request -> its blocks another request there holds too (a shared prefix).
     shared: dict[str, int] = field(default_factory=dict)
+    # Tokens a second each of its decoding requests gains, as its reports show (an EWMA;
+    # None: not seen yet), and when its last report with decodes came.
+    decode_tokens_per_s: float | None = None
+    last_pace_time: float | None = None
+
+    def observe_pace(self, pace: _Pace, now: float) -> None:
+        """A report's decodes gained ``pace.tokens`` over ``pace.num`` requests since the
+        last such report: the measured speed each decoding request grows at."""
+        last, self.last_pace_time = self.last_pace_time, (now if pace.num else None)
+        if not pace.num or last is None or now <= last:
+            return
+        rate = pace.tokens / pace.num / (now - last)
+        m = self.decode_tokens_per_s
+        self.decode_tokens_per_s = rate if m is None else m + PACE_ALPHA * (rate - m)
 
     @property
     def swap_room(self) -> int | None:
@@ -889,10 +917,13 @@ class ClusterScheduler:
 
     def _growth(self, w: WorkerSlot) -> tuple[int, ...]:
         """Per tier t, the blocks the requests of tiers up to t that ``w`` holds add within
-        one anti-thrash window at its measured step time, each up to its token budget
+        one anti-thrash window at the pace its reports show, each up to its token budget
         (scheduler.reserves.growth_blocks): the growth that a request of tier t placed
         there could be preempted for (a less urgent grower gives way to it instead)."""
-        tokens = int(self.tiers.anti_thrash_s / max(w.costs.decode_token_s(), 1e-6))
+        pace = w.decode_tokens_per_s  # measured from its reports; else its step costs
+        if pace is None:
+            pace = 1.0 / max(w.costs.decode_token_s(), 1e-6)
+        tokens = int(self.tiers.anti_thrash_s * pace)
         by_tier: list[list[tuple[int, int, int]]] = [[] for _ in range(self.tiers.num_tiers)]
         for rid, blocks in w.held.items():
             e = self.live.get(rid)
@@ -1023,6 +1054,7 @@ class ClusterScheduler:
                     e = self.live.get(rid)
                     if e is None or not (e.is_dispatching or e.migrate_to == w.worker_id):
                         book.pop(rid)  # the worker no longer holds it
+        pace = _Pace()
         for r in rep.running:
             e = self.live.get(r.req_id)
             if e is None:
@@ -1038,11 +1070,14 @@ class ClusterScheduler:
                 else:
                     w.shared.pop(r.req_id, None)
                 grew = r.num_output_tokens - e.req.num_output_tokens
+                if e.req.state is S.DECODING:
+                    pace.add(max(grew, 0))
                 if grew > 0:
                     e.req.num_output_tokens = r.num_output_tokens
                     self.policy.record_served(e.req.tier, grew, grew * self.est.decode_token_s(),
                                               now)
             w.prefill_left.put(r.req_id, r.num_prefill_left, e.req.tier)
+        w.observe_pace(pace, now)
 
     def _learn_links(self, w: WorkerSlot, mem: KVMemoryReport) -> None:
         """The moves ``w`` timed refine the link model the victims are priced with."""
