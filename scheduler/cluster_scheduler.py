@@ -45,6 +45,7 @@ from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
 from scheduler.backlog import PrefillBook
+from scheduler.claims import Claims
 from scheduler.links import LinkModel
 from scheduler.messages import (
     RETRYABLE_ERRORS,
@@ -404,6 +405,7 @@ class ClusterScheduler:
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
         self._unplaced_since: list[float | None] = [None] * tiers.num_tiers
+        self._last_watch = float("-inf")
 
     def new_costs(self) -> StepCosts:
         return StepCosts(self.cost_prior, chunk_tokens=self.chunk_tokens)
@@ -600,7 +602,7 @@ class ClusterScheduler:
             # a more urgent request do not go to less urgent ones that fit sooner, or a
             # large prompt would wait forever; the other workers' free blocks still serve
             # every tier (work conservation).
-            blocked: dict[str, list[tuple[int, int, int]]] = {}
+            blocked = Claims(self.tiers.num_tiers)
 
             def accept(req: Request) -> Verdict:
                 order = self._route(req, now, blocked)
@@ -645,8 +647,10 @@ class ClusterScheduler:
         if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
             return []
         bs = self.block_size
-        claims: dict[str, list[tuple[int, int, int]]] = {}
+        claims = Claims(self.tiers.num_tiers)
         out = []
+        # A worker's reserve for a tier does not depend on its free blocks: once per plan.
+        reserves: dict[tuple[str, int], int] = {}
         for r in sorted(waiting, key=lambda r: (r.tier, r.num_context_tokens)):
             need = -(-(r.num_context_tokens + 1) // bs)
             horizon = self.policy.dispatch_horizon_s(r)
@@ -657,8 +661,11 @@ class ClusterScheduler:
                 room.append((free, w))
                 if fits is not None:
                     continue
-                view = self._dview(w, free)
-                if free - need < self.policy.decode_reserve(r.tier, view):
+                key = (w.worker_id, r.tier)
+                reserve = reserves.get(key)
+                if reserve is None:
+                    reserve = reserves[key] = self.policy.decode_reserve(r.tier, self._dview(w))
+                if free - need < reserve:
                     continue
                 sites = remote if self.mode is PoolMode.DISAGGREGATED else [*remote, w]
                 if horizon is None or any(self._backlog(p)[0] <= horizon for p in sites):
@@ -667,14 +674,21 @@ class ClusterScheduler:
                 out.append((r, fits.worker_id))
                 continue
             free, w = max(room, key=lambda fw: fw[0])
-            claims.setdefault(w.worker_id, []).append((r.tier, need, max(min(need, free), 0)))
+            claims.add(w.worker_id, r.tier, need, max(min(need, free), 0))
         return out
 
     def _watch_conservation(self, now: float) -> None:
         """The runtime side of the invariant: per tier, the seconds past one planning
-        interval that a waiting request fitted a worker and was not placed."""
+        interval that a waiting request fitted a worker and was not placed. Looked at once
+        per planning interval, not after every plan (a plan follows every report and RPC
+        answer, and the look walks the whole queue): an episode is seen at most one
+        interval late and closed at most one late, as its length is counted past one
+        interval."""
         if not self.policy.work_conserving:
             return
+        if now - self._last_watch < self.tiers.control_interval_s:
+            return
+        self._last_watch = now
         tiers = {r.tier for r, _ in self.unplaced_fits()}
         step = self.tiers.control_interval_s
         for t in range(self.tiers.num_tiers):
@@ -705,24 +719,20 @@ class ClusterScheduler:
                      for s, since in zip(self.unplaced_fit_s, self._unplaced_since,
                                          strict=True))
 
-    def _usable(self, w: WorkerSlot, tier: int, need: int,
-                claims: dict[str, list[tuple[int, int, int]]]) -> int:
+    def _usable(self, w: WorkerSlot, tier: int, need: int, claims: Claims) -> int:
         """``w``'s free blocks for a request of ``tier`` needing ``need``: less what the
         waiting requests that go before it claim there (a more urgent one whatever its
         size, an as urgent one no larger)."""
-        held = sum(b for t, n, b in claims.get(w.worker_id, ())
-                   if t < tier or (t == tier and n <= need))
-        return w.free_blocks - held
+        return w.free_blocks - claims.held(w.worker_id, tier, need)
 
     def _claim(self, req: Request, need: int, decode: list[WorkerSlot],
-               blocked: dict[str, list[tuple[int, int, int]]]) -> None:
+               blocked: Claims) -> None:
         """``req`` found no room: it claims what is free for it on the worker with most."""
         free, w = max(((self._usable(w, req.tier, need, blocked), w) for w in decode),
                       key=lambda fw: fw[0])
-        blocked.setdefault(w.worker_id, []).append((req.tier, need, max(min(need, free), 0)))
+        blocked.add(w.worker_id, req.tier, need, max(min(need, free), 0))
 
-    def _route(self, req: Request, now: float,
-               blocked: dict[str, list[tuple[int, int, int]]]) -> DispatchOrder | None:
+    def _route(self, req: Request, now: float, blocked: Claims) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
         decode = self._decode_slots()
         remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
