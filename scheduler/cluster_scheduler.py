@@ -401,6 +401,10 @@ class ClusterScheduler:
         self._queued = PrefillBook(tiers.num_tiers, chunk_tokens, block_size)
         self.num_preemptions = 0
         self._dviews: dict[str, DecodeView] = {}
+        # Per decode worker, its release rate and victims as one plan sees them: every
+        # request that finds no room asks, and under overload hundreds do. Dropped with
+        # any dispatch or preemption the plan orders (a peer's room changes the prices).
+        self._vviews: dict[str, tuple[float | None, tuple[VictimView, ...]]] = {}
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -596,6 +600,7 @@ class ClusterScheduler:
         # dispatch to the worker recomputes them), not once per request offered.
         self._backlogs = {}
         self._dviews = {}
+        self._vviews = {}
         if len(self.queue):
             # Per decode worker, the requests that found no room there, each with the
             # blocks it claims (its need, up to what was free for it): blocks released for
@@ -791,6 +796,7 @@ class ClusterScheduler:
         target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
         self._backlogs.pop(target.worker_id, None)
         self._dviews.pop(dslot.worker_id, None)
+        self._vviews.clear()
         dslot.held[req.req_id] = need
         dslot.num_promised += need
         entry = self.live[req.req_id]
@@ -865,11 +871,16 @@ class ClusterScheduler:
             for rid in [r for r, t in w.preempting_since.items() if now - t > PREEMPT_ANSWER_S]:
                 w.preempting.pop(rid, None)
                 del w.preempting_since[rid]
+                self._vviews.clear()
             soon_free = w.free_blocks + sum(w.preempting.values())
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
-            release = self._release_rate(w)
-            cands = self._victim_views(w, decode, release)
+            got = self._vviews.get(w.worker_id)
+            if got is None:
+                release = self._release_rate(w)
+                got = self._vviews[w.worker_id] = (
+                    release, tuple(self._victim_views(w, decode, release)))
+            release, cands = got
             if not cands:
                 continue
             wait = max(need - soon_free, 0) / release if release else None
@@ -891,6 +902,7 @@ class ClusterScheduler:
                     mode = PreemptMode.RECOMPUTE if v.mode is PreemptMode.MIGRATE else v.mode
                     order = PreemptOrder(v.req_id, w.worker_id, mode, req.req_id)
                 self._preempts.append(order)
+                self._vviews.clear()
                 w.preempting[v.req_id] = v.num_blocks
                 w.preempting_since[v.req_id] = now
                 # Anti-thrash: the kernel reads last_preempt_time before the report.
