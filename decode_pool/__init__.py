@@ -1,9 +1,12 @@
-"""The decode worker pool (lifecycle in decode_pool/worker.py).
+"""The decode worker pool (lifecycle in decode_pool/worker.py, KV moves in kv_moves.py).
 
-    from decode_pool.worker import DecodeWorker, decode_worker_actor
-    DecodeWorker(worker_id, cfg, engine, consumer, location, report, policy)
-        .start(); await .reserve(msg) -> {"ok", "ticket", "num_cached_blocks", ...}
-        await .prefilled({"req_id", "first_token", "finish"}); .stream(req_id) -> deltas
-        await .preempt(req_id, "swap" | "recompute", for_req_id); await .abort(req_id)
-    decode_worker_actor()    # the Ray actor class; stream() is a Ray streaming generator
+    from decode_pool.worker import DecodeWorker
+    DecodeWorker(info, engine, consumer, policy, costs, limits, report, start_prefill)
+        .start(); await .dispatch(Dispatch) -> DispatchAnswer
+        await .prefilled(PrefilledBatch); .subscribe(router_id) -> TokenBatch bytes per step
+        await .preempt(req_id, "swap" | "recompute" | "migrate", for_req_id, target)
+        await .migrate_in(MigrateIn) -> MigrateAnswer; await .abort(req_id)
+    cluster.worker_actors.decode_worker_actor()    # the Ray actor class (msgpack bytes in
+                                                   # and out); subscribe is a Ray streaming
+                                                   # generator
 """
