@@ -405,6 +405,7 @@ class ClusterScheduler:
         # request that finds no room asks, and under overload hundreds do. Dropped with
         # any dispatch or preemption the plan orders (a peer's room changes the prices).
         self._vviews: dict[str, tuple[float | None, tuple[VictimView, ...]]] = {}
+        self._resumes: dict[str, tuple[int, ...]] = {}  # per plan: _resuming
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -601,6 +602,7 @@ class ClusterScheduler:
         self._backlogs = {}
         self._dviews = {}
         self._vviews = {}
+        self._resumes = {}
         if len(self.queue):
             # Per decode worker, the requests that found no room there, each with the
             # blocks it claims (its need, up to what was free for it): blocks released for
@@ -642,7 +644,7 @@ class ClusterScheduler:
         Independent of how ``plan`` walks its queue: requests are taken by (tier, need),
         and each that does not fit claims what is free for it on the worker with the most
         (as ``_route`` does for a request it cannot place)."""
-        self._dviews, self._backlogs = {}, {}
+        self._dviews, self._backlogs, self._resumes = {}, {}, {}
         waiting = [r for r in self.queue.requests() if r.state is S.QUEUED
                    and r.req_id in self.live and not self.live[r.req_id].is_dispatching]
         if not waiting:
@@ -726,9 +728,35 @@ class ClusterScheduler:
 
     def _usable(self, w: WorkerSlot, tier: int, need: int, claims: Claims) -> int:
         """``w``'s free blocks for a request of ``tier`` needing ``need``: less what the
-        waiting requests that go before it claim there (a more urgent one whatever its
-        size, an as urgent one no larger)."""
-        return w.free_blocks - claims.held(w.worker_id, tier, need)
+        requests that go before it claim there: the decodes preempted there of its tier
+        or a more urgent one, to come back (:meth:`_resuming`), and the waiting requests
+        of a more urgent tier whatever their size, of its tier no larger."""
+        return w.free_blocks - self._resuming(w)[tier] - claims.held(w.worker_id, tier, need)
+
+    def _resuming(self, w: WorkerSlot) -> tuple[int, ...]:
+        """Per tier t, the blocks that the requests of tiers up to t preempted on ``w``
+        (swapped out, or to recompute there) need to come back: a new dispatch reserves
+        its blocks at once, so without this claim the memory their preemption and the
+        worker's releases free goes to new requests first and a preempted decode waits
+        for seconds behind arrivals of its own tier or a later one (vLLM puts preempted
+        requests first in its waiting queue). Kept for the plan."""
+        got = self._resumes.get(w.worker_id)
+        if got is not None:
+            return got
+        by_tier = [0] * self.tiers.num_tiers
+        bs = self.block_size
+        for rid, blocks in w.held.items():
+            e = self.live.get(rid)
+            if e is None or e.req.state is not S.PREEMPTED or e.migrate_to is not None:
+                continue
+            r = e.req
+            by_tier[r.tier] += blocks if blocks > 0 else -(-(r.num_context_tokens + 1) // bs)
+        out, total = [], 0
+        for n in by_tier:
+            total += n
+            out.append(total)
+        got = self._resumes[w.worker_id] = tuple(out)
+        return got
 
     def _claim(self, req: Request, need: int, decode: list[WorkerSlot],
                blocked: Claims) -> None:

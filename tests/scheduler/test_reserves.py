@@ -7,6 +7,7 @@ import pytest
 
 from scheduler.cluster_scheduler import ClusterScheduler, NewRequest, PoolMode
 from scheduler.messages import ReqEvent, RunningReq, WorkerEvent, WorkerReport
+from scheduler.request import RequestState
 from scheduler.reserves import (
     MAX_FRACTION,
     DemandMeter,
@@ -116,3 +117,30 @@ def test_a_less_urgent_decodes_growth_is_no_reserve_for_a_more_urgent_request() 
     assert not cs.plan(0.3).dispatches
     cs.submit(NewRequest("mid", 1, 0.4, 90 * BS - 1, 2), 0.4)
     assert [d.req_id for d in cs.plan(0.4).dispatches] == ["mid"]
+
+
+def test_a_preempted_decode_comes_back_before_new_requests_of_its_tier() -> None:
+    """A decode preempted on a worker (here by recompute, for its own KV pressure) claims
+    the blocks it needs to come back there: a new request of its tier or a later one
+    does not take them (its dispatch would reserve them at once and the preempted decode
+    would wait behind arrivals for seconds, issue 22's bench-pressure), a more urgent one
+    does."""
+    cs = _cluster()
+    cs.submit(NewRequest("a", 2, 0.0, 40 * BS - 1, 8), 0.0)  # 40 blocks
+    cs.plan(0.0)
+    cs.on_dispatch_result("a", True, 0.0, num_free_blocks=60)
+    cs.on_report(WorkerReport("p0", 512, 512, events=(
+        ReqEvent("a", WorkerEvent.PREFILL_DONE, 0.1),)), 0.1)
+    cs.on_report(WorkerReport("d0", 60, 100, events=(
+        ReqEvent("a", WorkerEvent.DECODE_START, 0.2),),
+        running=(RunningReq("a", 40 * BS, 1),)), 0.2)
+    cs.on_report(WorkerReport("d0", 100, 100, events=(
+        ReqEvent("a", WorkerEvent.PREEMPTED_RECOMPUTE, 0.3),),
+        running=(RunningReq("a", 0, 1),)), 0.3)  # held there, its blocks freed
+    assert cs.get("a").state is RequestState.PREEMPTED
+    cs.submit(NewRequest("late", 3, 0.4, 80 * BS - 1, 2), 0.4)  # 80 of the 100 free
+    cs.submit(NewRequest("same", 2, 0.4, 80 * BS - 1, 2), 0.4)
+    assert not cs.plan(0.4).dispatches
+    assert cs.unplaced_fits() == []  # what they would take is a's: no idle memory
+    cs.submit(NewRequest("urgent", 1, 0.5, 80 * BS - 1, 2), 0.5)
+    assert [d.req_id for d in cs.plan(0.5).dispatches] == ["urgent"]
