@@ -20,18 +20,18 @@ from itertools import accumulate
 
 
 class _TierClaims:
-    __slots__ = ("needs", "claims", "prefix")
+    __slots__ = ("needs", "blocks", "prefix")
 
     def __init__(self) -> None:
         self.needs: list[int] = []  # sorted
-        self.claims: list[tuple[int, int]] = []  # (need, blocks), sorted by need
+        self.blocks: list[int] = []  # each claim's blocks, in the order of ``needs``
         self.prefix: list[int] = [0]  # prefix[i]: blocks of the first i claims
 
     def add(self, need: int, blocks: int) -> None:
         i = bisect_right(self.needs, need)
         self.needs.insert(i, need)
-        self.claims.insert(i, (need, blocks))
-        self.prefix[i:] = accumulate((b for _, b in self.claims[i:]), initial=self.prefix[i])
+        self.blocks.insert(i, blocks)
+        self.prefix[i:] = accumulate(self.blocks[i:], initial=self.prefix[i])
 
     def up_to(self, need: int) -> int:
         """Blocks claimed by the claims that need no more than ``need``."""
@@ -65,7 +65,7 @@ class Claims:
     def entries(self, worker_id: str) -> list[tuple[int, int, int]]:
         """(tier, need, blocks) of every claim on the worker (for tests and stats)."""
         tiers = self._by_worker.get(worker_id, [])
-        return [(t, n, b) for t, tc in enumerate(tiers) for n, b in tc.claims]
+        return [(t, n, b) for t, tc in enumerate(tiers) for n, b in zip(tc.needs, tc.blocks)]
 
 
 __all__ = ["Claims"]

@@ -599,10 +599,7 @@ class ClusterScheduler:
         dispatches: list[DispatchOrder] = []
         # Each worker's queued prefill work and decode view, computed once per plan (a
         # dispatch to the worker recomputes them), not once per request offered.
-        self._backlogs = {}
-        self._dviews = {}
-        self._vviews = {}
-        self._resumes = {}
+        self._fresh_views()
         if len(self.queue):
             # Per decode worker, the requests that found no room there, each with the
             # blocks it claims (its need, up to what was free for it): blocks released for
@@ -644,7 +641,7 @@ class ClusterScheduler:
         Independent of how ``plan`` walks its queue: requests are taken by (tier, need),
         and each that does not fit claims what is free for it on the worker with the most
         (as ``_route`` does for a request it cannot place)."""
-        self._dviews, self._backlogs, self._resumes = {}, {}, {}
+        self._fresh_views()
         waiting = [r for r in self.queue.requests() if r.state is S.QUEUED
                    and r.req_id in self.live and not self.live[r.req_id].is_dispatching]
         if not waiting:
@@ -680,8 +677,7 @@ class ClusterScheduler:
             if fits is not None:
                 out.append((r, fits.worker_id))
                 continue
-            free, w = max(room, key=lambda fw: fw[0])
-            claims.add(w.worker_id, r.tier, need, max(min(need, free), 0))
+            self._claim(r.tier, need, room, claims)
         return out
 
     def _watch_conservation(self, now: float) -> None:
@@ -713,7 +709,7 @@ class ClusterScheduler:
         w = self.workers.get(worker_id)
         if w is None or not w.can_decode:
             return ()
-        self._dviews = {}
+        self._fresh_views()
         view = self._dview(w)
         return tuple(self.policy.decode_reserve(t, view) for t in range(self.tiers.num_tiers))
 
@@ -725,6 +721,11 @@ class ClusterScheduler:
         return tuple(s + (0.0 if since is None else max(now - since - step, 0.0))
                      for s, since in zip(self.unplaced_fit_s, self._unplaced_since,
                                          strict=True))
+
+    def _fresh_views(self) -> None:
+        """Drop the views kept for one plan (backlogs, decode views, victims, resume
+        claims): every reader that starts from the current books calls this first."""
+        self._backlogs, self._dviews, self._vviews, self._resumes = {}, {}, {}, {}
 
     def _usable(self, w: WorkerSlot, tier: int, need: int, claims: Claims) -> int:
         """``w``'s free blocks for a request of ``tier`` needing ``need``: less what the
@@ -758,12 +759,17 @@ class ClusterScheduler:
         got = self._resumes[w.worker_id] = tuple(out)
         return got
 
-    def _claim(self, req: Request, need: int, decode: list[WorkerSlot],
-               blocked: Claims) -> None:
-        """``req`` found no room: it claims what is free for it on the worker with most."""
-        free, w = max(((self._usable(w, req.tier, need, blocked), w) for w in decode),
-                      key=lambda fw: fw[0])
-        blocked.add(w.worker_id, req.tier, need, max(min(need, free), 0))
+    def _claim(self, tier: int, need: int, room: Iterable[tuple[int, WorkerSlot]],
+               claims: Claims) -> None:
+        """A request of ``tier`` needing ``need`` found no room: it claims what is free
+        for it on the worker with the most (``room``: each decode worker's usable blocks
+        for it)."""
+        free, w = max(room, key=lambda fw: fw[0])
+        claims.add(w.worker_id, tier, need, max(min(need, free), 0))
+
+    def _room(self, req: Request, need: int, decode: list[WorkerSlot],
+              claims: Claims) -> list[tuple[int, WorkerSlot]]:
+        return [(self._usable(w, req.tier, need, claims), w) for w in decode]
 
     def _route(self, req: Request, now: float, blocked: Claims) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
@@ -794,7 +800,7 @@ class ClusterScheduler:
                       w.info) is not None]
             lp = self.policy.place_prefill(req, ok) if ok else None
             if lp is None:
-                self._claim(req, need, decode, blocked)
+                self._claim(req.tier, need, self._room(req, need, decode, blocked), blocked)
                 self._maybe_preempt(req, need, decode, decode[0].info, now)
                 return None
             dslot, prefill_slot = self.workers[lp.info.worker_id], None
@@ -812,7 +818,7 @@ class ClusterScheduler:
                 req, need, [self._dview(w, self._usable(w, req.tier, need, blocked))
                             for w in decode], pv.info)
             if choice is None:
-                self._claim(req, need, decode, blocked)
+                self._claim(req.tier, need, self._room(req, need, decode, blocked), blocked)
                 self._maybe_preempt(req, need, decode, pv.info, now)
                 return None
             dslot = self.workers[choice.view.info.worker_id]
