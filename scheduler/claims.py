@@ -65,7 +65,7 @@ class Claims:
     def entries(self, worker_id: str) -> list[tuple[int, int, int]]:
         """(tier, need, blocks) of every claim on the worker (for tests and stats)."""
         tiers = self._by_worker.get(worker_id, [])
-        return [(t, n, b) for t, tc in enumerate(tiers) for n, b in zip(tc.needs, tc.blocks)]
+        return [(t, n, b) for t, tc in enumerate(tiers) for n, b in zip(tc.needs, tc.blocks, strict=True)]
 
 
 __all__ = ["Claims"]
