@@ -12,7 +12,8 @@ reversed every other round (A B, B A, ...) and reports each policy's mean over i
 runs (``tier0_attainment``), with every run in ``runs``. Each run's summary carries the
 objective ``weighted_miss`` (``scheduler.objective``, the config's tier weights),
 ``goodput_rps``, ``last_end_s`` and ``work_conservation_s`` (per tier, what the cluster's
-``tierserve:work_conservation_seconds_total`` grew during the run); ``weighted_miss`` and
+``tierserve:work_conservation_seconds_total`` grew during the run) and ``ttft_parts`` (per
+tier, the time to first token split into hops, ``tierserve:ttft_part_seconds``); ``weighted_miss`` and
 ``last_end_s`` are also given per policy, as means over its runs.
 """
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.app import deploy, init_ray
     from cluster.config import load_config
-    from cluster.http_replay import counter_delta, replay, summarize, work_conservation
+    from cluster.http_replay import counters, counters_delta, replay, summarize
     from cluster.testing import free_port
 
     runs: list[dict[str, Any]] = []
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                timeout=args.request_timeout, seed=args.seed + 1,
                                api_key="unused"))
             t0 = time.time()
-            wc_before = work_conservation(url)
+            before = counters(url)
             outcomes, elapsed, model = asyncio.run(replay(
                 url, args.trace, duration=args.duration, load=args.load,
                 max_prompt=args.max_prompt_tokens, max_output=args.max_output_tokens,
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                 policy, url)
             summary["model"] = model
             summary["wall_s"] = time.time() - t0
-            summary["work_conservation_s"] = counter_delta(wc_before, work_conservation(url))
+            summary.update(counters_delta(before, counters(url)))
             runs.append(summary)
             print(json.dumps({"policy": policy, "requests": summary["requests"],
                               "errors": summary["errors"],

@@ -9,7 +9,7 @@ one streaming ``/v1/completions`` call per request at its arrival time, its tier
 SLO met per the tier targets -> per-tier P50/P99, attainment, goodput, as text and JSON::
 
     {"policy", "url", "requests", "errors", "rejected", "duration_s", "weighted_miss",
-     "goodput_rps", "last_end_s", "work_conservation_s", "model",
+     "goodput_rps", "last_end_s", "work_conservation_s", "ttft_parts", "model",
      "tiers": {"0": {"requests", "errors", "rejected", "ttft_p50", "ttft_p99", "tpot_p50",
                      "tpot_p99", "attainment", "misses", "goodput_rps"}, ...}}
 
@@ -21,6 +21,9 @@ timeout are misses), ``goodput_rps`` the tiers' goodput summed, ``last_end_s`` t
 from the first request sent to the last one's end. ``work_conservation_s``: per tier, what
 the endpoint's ``tierserve:work_conservation_seconds_total`` grew during the replay (read
 from its ``/metrics`` before and after; None where it has no such series, e.g. a peer).
+``ttft_parts``: per tier, the time to first token split into hops from the endpoint's
+``tierserve:ttft_part_seconds`` over the replay (the global queue, the hand-off to the
+prefill worker, the wait there for a step, the prefill; samples, mean, p50, p99 in ms).
 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
 
@@ -39,11 +42,12 @@ import sys
 from pathlib import Path
 
 from cluster.http_replay import (
-    counter_delta,
+    counters,
+    counters_delta,
+    hops_line,
     objective_line,
     replay,
     summarize,
-    work_conservation,
 )
 from scheduler.tiers import default_tiers
 
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve bench: no trace at {args.trace}", file=sys.stderr)
         return 2
     url = args.url.rstrip("/")
-    wc_before = work_conservation(url, args.api_key)
+    before = counters(url, args.api_key)
     outcomes, elapsed, model = asyncio.run(replay(
         url, args.trace, duration=args.duration,
         load=1.0 if args.load is None else args.load,
@@ -103,12 +107,14 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(outcomes, tiers, min(elapsed, args.duration) if elapsed else 0.0,
                         args.policy_label or "unknown", args.url)
     summary["model"] = model
-    summary["work_conservation_s"] = counter_delta(wc_before,
-                                                   work_conservation(url, args.api_key))
+    summary.update(counters_delta(before, counters(url, args.api_key)))
     print(f"{summary['requests']} requests, {summary['errors']} errors "
           f"({summary['rejected']} rejected), {elapsed:.1f} s "
           f"(policy {summary['policy']})")
     print(objective_line(summary))
+    hops = hops_line(summary.get("ttft_parts"))
+    if hops:
+        print(hops)
     print("tier  n     ttft_p50  ttft_p99  tpot_p50  tpot_p99  attain  goodput/s")
     for t, s in summary["tiers"].items():
         def f(x: float | None) -> str:

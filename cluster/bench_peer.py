@@ -40,7 +40,11 @@ objective ``weighted_miss`` (``scheduler.objective``; for both systems from thei
 attainment per tier, in ``totals`` the mean over rounds, with the tier weights of
 ``--config``; a 429, an error and a timeout are misses), ``last_end_s`` (the first request
 sent to the last one's end) and, for tierserve, ``work_conservation_s`` (per tier, what its
-``tierserve:work_conservation_seconds_total`` grew during the run; None for the peer). A benchmark, not a test: bounded in count
+``tierserve:work_conservation_seconds_total`` grew during the run; None for the peer) and
+``ttft_parts`` (per tier, its time to first token split into hops, from
+``tierserve:ttft_part_seconds``: the global queue, the hand-off to the prefill worker, the
+wait there for a step, the prefill; samples, mean, p50 and p99 in ms). A benchmark, not a
+test: bounded in count
 (``--max-requests``), per request (``--request-timeout``), per start
 (``--startup-timeout``) and in all (``--time-limit``); traffic only to 127.0.0.1.
 """
@@ -472,23 +476,25 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
 
 def _measure(url: str, s: ReplaySettings, load: float, duration: float, tiers: Any,
              system: str, clock: Clock, label: str) -> dict[str, Any]:
-    from cluster.http_replay import counter_delta, summarize, work_conservation
+    from cluster.http_replay import counters, counters_delta, hops_line, summarize
 
     t0 = time.monotonic()
-    # tierserve's work-conservation seconds during this replay: its /metrics before and
-    # after (None for a peer, which has no such series).
-    wc_before = work_conservation(url, s.api_key)
+    # tierserve's work-conservation seconds and time-to-first-token hops during this
+    # replay: its /metrics before and after (None for a peer, which has no such series).
+    before = counters(url, s.api_key)
     outcomes, elapsed, model = _replay(url, s, load, duration, clock, label,
-                                       watch=wc_before is not None)
+                                       watch=before["work_conservation_s"] is not None)
     summary = summarize(outcomes, tiers, min(elapsed, duration) if elapsed else 0.0, system, url)
     summary.update({"model": model, "wall_s": time.monotonic() - t0,
-                    "work_conservation_s": counter_delta(
-                        wc_before, work_conservation(url, s.api_key))})
+                    **counters_delta(before, counters(url, s.api_key))})
     t0s = summary["tiers"]["0"]
     clock.log(f"  {label}: {summary['requests']} requests, {summary['errors']} errors "
               f"({summary['rejected']} rejected), tier-0 attainment "
               f"{_fmt(t0s['attainment'], 0)}, ttft p99 {_fmt(t0s['ttft_p99'], 0)} s, "
               f"{_objective(summary)}")
+    hops = hops_line(summary.get("ttft_parts"))
+    if hops:
+        clock.log(f"  {label}: {hops}")
     return summary
 
 

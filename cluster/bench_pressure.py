@@ -16,6 +16,7 @@ percentiles) under the cluster's tier targets for this machine, the weighted mis
 objective over them (``weighted_miss``, ``scheduler.objective``, the config's tier weights),
 goodput, when the last request ended (``last_end_s``, from the first arrival), the
 kernel's work-conservation seconds per tier during the run (``work_conservation_s``),
+each tier's time to first token split into hops (``ttft_parts``),
 preemptions by mode,
 restore time by mode and by topology class (as the workers timed them: swap-in copy,
 recompute from its first chunk to its next token, migration from the target's
@@ -427,6 +428,7 @@ def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
     stats once idle (``stats``; ``kv`` its ``kv_memory``), less what the warm-up left
     (``base``: the warm-up's ``kv_memory``; ``before``: its whole stats)."""
     from cluster.http_replay import counter_delta
+    from router.metrics import parts_summary
 
     tiers = summary["tiers"]
     modes = ("swap", "recompute", "migrate")
@@ -446,6 +448,9 @@ def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
         # work conservation).
         "work_conservation_s": counter_delta(
             (before or {}).get("work_conservation_s"), stats.get("work_conservation_s")),
+        # Per tier, the time to first token split into hops (the global queue, the hand-off
+        # to the prefill worker, the wait there for a step, the prefill): n, mean, p50, p99 ms.
+        "ttft_parts": parts_summary((before or {}).get("ttft_parts"), stats.get("ttft_parts")),
         "tiers": tiers,
         "errors": summary["errors"], "rejected": summary["rejected"],
         "preemptions": {m: kv["preemptions"][m] - base["preemptions"][m] for m in modes},
@@ -521,6 +526,8 @@ def _headline(by_rate: dict[str, dict[str, Any]], policies: list[str]) -> float:
 
 
 def _print(policy: str, r: dict[str, Any]) -> None:
+    from cluster.http_replay import hops_line
+
     att = " ".join(f"t{t}={v:.3f}" if v is not None else f"t{t}=-"
                    for t, v in r["attainment"].items())
     restore = {m: (round(v, 2) if v is not None else None) for m, v in r["restore_ms"].items()}
@@ -531,3 +538,6 @@ def _print(policy: str, r: dict[str, Any]) -> None:
           f"{'-' if wc is None else f'{sum(wc):.1f} s'}  preemptions {r['preemptions']}  "
           f"restore_ms {restore}  peak swap {r['peak_swap_blocks']}  leaked "
           f"{r['leaked_blocks']}  errors {r['errors']}  ({r['wall_s']:.0f} s)", flush=True)
+    hops = hops_line(r.get("ttft_parts"))
+    if hops:
+        print(f"    {hops}", flush=True)

@@ -67,9 +67,11 @@ from scheduler.messages import (
     HeldRequest,
     Notice,
     NoticeBatch,
+    ReqEvent,
     SubmitAnswer,
     SubmitAnswers,
     SubmitBatch,
+    WorkerEvent,
     WorkerReport,
     encode,
 )
@@ -271,6 +273,9 @@ class GlobalScheduler:
     def report(self, rep: WorkerReport) -> None:
         now = time.time()
         w = self.core.workers.get(rep.worker_id)
+        for ev in rep.events:
+            if ev.event is WorkerEvent.PREFILL_DONE and ev.started > 0:
+                self._observe_hops(ev)
         self.core.on_report(rep, now)
         for t in rep.transfers:
             entry = self.core.live.get(t.req_id)
@@ -292,6 +297,20 @@ class GlobalScheduler:
                 self.metrics.set_kv_memory(rep.worker_id, m.num_swap_used, m.num_swap_peak,
                                            m.num_prefix_query_blocks, m.num_prefix_hit_blocks)
         self._kick()
+
+    def _observe_hops(self, ev: ReqEvent) -> None:
+        """A first prefill's time to first token, hop by hop (``tierserve:ttft_part_seconds``):
+        the kernel's arrival and dispatch, the prefill worker's receipt and step start."""
+        entry = self.core.live.get(ev.req_id)
+        if entry is None or entry.req.first_token_time is not None:
+            return  # gone, or its first token was already counted
+        req = entry.req
+        sent = _dispatched_at(req)
+        if sent is None or not req.arrival_time <= sent <= ev.received <= ev.started <= ev.time:
+            return  # clocks that disagree (another host's) tell nothing here
+        self.metrics.on_ttft_parts(req.tier, {
+            "queued": sent - req.arrival_time, "handoff": ev.received - sent,
+            "step_wait": ev.started - ev.received, "prefill": ev.time - ev.started})
 
     def _move_class(self, src_id: str, dst_id: str) -> str | None:
         src, dst = self.core.workers.get(src_id), self.core.workers.get(dst_id)
@@ -350,7 +369,9 @@ class GlobalScheduler:
         # same in every driver).
         ttft = first - arrival
         tpot = (end - first) / (n_out - 1) if n_out > 1 else None
+        sent = _dispatched_at(req)
         self.metrics.on_request_finished(req.tier, ttft, tpot, end - arrival,
+                                         queue_s=None if sent is None else max(sent - arrival, 0.0),
                                          num_prompt_tokens=req.prompt_len,
                                          num_output_tokens=n_out, finished_reason=outcome)
 
@@ -552,6 +573,8 @@ class GlobalScheduler:
             # Per tier: seconds a waiting request that fitted a worker was left unplaced
             # past one planning interval (tierserve:work_conservation_seconds_total).
             "work_conservation_s": self.work_conservation_s(),
+            # Per tier and hop, the time-to-first-token histograms (MetricsRecorder.ttft_parts).
+            "ttft_parts": self.metrics.ttft_parts(),
             "kv_memory": self.kv_stats.snapshot(self.core.links.snapshot()),
             "workers": {wid: {"alive": w.is_alive, "free": w.num_free_blocks,
                               "total": w.info.num_kv_blocks, "domain": w.info.domain,
@@ -587,3 +610,12 @@ def _swapped(req: Request) -> bool:
                             Decision.PREEMPT_MIGRATE):
             return rec.decision is Decision.PREEMPT_SWAP
     return False
+
+
+def _dispatched_at(req: Request) -> float | None:
+    """When the request first left the global queue for a worker (None: it never did)."""
+    for rec in req.history:
+        if rec.from_state is RequestState.QUEUED and rec.to_state is not RequestState.QUEUED \
+                and not rec.to_state.is_finished:
+            return rec.time
+    return None

@@ -179,6 +179,7 @@ def objective_line(summary: dict[str, Any]) -> str:
 
 
 WORK_CONSERVATION = "tierserve:work_conservation_seconds_total"
+TTFT_PARTS = "tierserve:ttft_part_seconds"
 
 
 def parse_work_conservation(text: str) -> list[float] | None:
@@ -199,27 +200,84 @@ def parse_work_conservation(text: str) -> list[float] | None:
     return [by_tier.get(t, 0.0) for t in range(max(by_tier) + 1)]
 
 
+def parse_ttft_parts(text: str) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """``tierserve:ttft_part_seconds`` in a ``/metrics`` answer, in the shape of
+    ``MetricsRecorder.ttft_parts`` (None where it has no such series: a peer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name != TTFT_PARTS:
+                continue
+            for smp in fam.samples:
+                tier, part = smp.labels.get("tier", ""), smp.labels.get("part", "")
+                h = out.setdefault(tier, {}).setdefault(part,
+                                                         {"sum": 0.0, "count": 0, "buckets": []})
+                if smp.name.endswith("_bucket"):
+                    le = float(smp.labels["le"])
+                    if le != float("inf"):
+                        h["buckets"].append([le, int(smp.value)])
+                elif smp.name.endswith("_sum"):
+                    h["sum"] = float(smp.value)
+                elif smp.name.endswith("_count"):
+                    h["count"] = int(smp.value)
+    except ValueError:  # not Prometheus text
+        return None
+    return out or None
+
+
+async def fetch_counters(client: Any, url: str) -> dict[str, Any]:
+    """The endpoint's running totals now, for a delta over one run:
+    ``work_conservation_s`` (per tier) and ``ttft_parts`` (the hop histograms); each None
+    when not exported (a peer) or when the endpoint did not answer."""
+    try:
+        r = await client.get(f"{url}/metrics")
+    except Exception:  # a bench goes on without the figures
+        return {"work_conservation_s": None, "ttft_parts": None}
+    text = r.text if r.status_code == 200 else ""
+    return {"work_conservation_s": parse_work_conservation(text) if text else None,
+            "ttft_parts": parse_ttft_parts(text) if text else None}
+
+
 async def fetch_work_conservation(client: Any, url: str) -> list[float] | None:
     """The endpoint's per-tier work-conservation totals now (None: not exported, or the
     endpoint did not answer)."""
-    try:
-        r = await client.get(f"{url}/metrics")
-    except Exception:  # a bench goes on without the figure
-        return None
-    return parse_work_conservation(r.text) if r.status_code == 200 else None
+    return (await fetch_counters(client, url))["work_conservation_s"]
 
 
-def work_conservation(url: str, api_key: str = "unused",
-                      timeout: float = 10.0) -> list[float] | None:
-    """:func:`fetch_work_conservation` for a caller outside an event loop."""
+def counters(url: str, api_key: str = "unused", timeout: float = 10.0) -> dict[str, Any]:
+    """:func:`fetch_counters` for a caller outside an event loop."""
     import httpx
 
-    async def go() -> list[float] | None:
+    async def go() -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=timeout,
                                      headers={"authorization": f"Bearer {api_key}"}) as c:
-            return await fetch_work_conservation(c, url)
+            return await fetch_counters(c, url)
 
     return asyncio.run(go())
+
+
+def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What one run added to :func:`counters`: ``work_conservation_s`` per tier and
+    ``ttft_parts`` per tier and hop (samples, mean, p50, p99 in ms)."""
+    from router.metrics import parts_summary
+
+    return {"work_conservation_s": counter_delta(before.get("work_conservation_s"),
+                                                 after.get("work_conservation_s")),
+            "ttft_parts": parts_summary(before.get("ttft_parts"), after.get("ttft_parts"))}
+
+
+def hops_line(parts: dict[str, Any] | None, tier: str = "0") -> str:
+    """One tier's time-to-first-token hops for a progress line ("" when not measured)."""
+    mine = (parts or {}).get(tier)
+    if not mine:
+        return ""
+    from router.metrics import TTFT_PARTS
+
+    cells = [f"{p.replace('_', ' ')} {mine[p]['p50_ms']:.0f}/{mine[p]['p99_ms']:.0f}"
+             for p in TTFT_PARTS if p in mine and mine[p].get("p99_ms") is not None]
+    return f"tier-{tier} hops p50/p99 ms: " + ", ".join(cells) if cells else ""
 
 
 def counter_delta(before: list[float] | None, after: list[float] | None) -> list[float] | None:

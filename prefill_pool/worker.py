@@ -87,6 +87,8 @@ class _Job:
     spec: GenerationSpec
     decode_worker_id: str
     kreq: Request
+    received: float  # when it reached this worker
+    started: float = 0.0  # when the step that ran its first chunk began
     prefill_done: bool = False
 
 
@@ -151,8 +153,9 @@ class PrefillWorker:
         kreq = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
                        state=RequestState.PREFILLING,
                        block_hashes=tuple(compute_block_hashes(prompt, self.sched.block_size)))
-        self._jobs[rid] = _Job(spec, msg.decode_worker_id, kreq)
-        self.sched.add_prefill(kreq, len(prompt), time.time())
+        received = time.time()
+        self._jobs[rid] = _Job(spec, msg.decode_worker_id, kreq, received)
+        self.sched.add_prefill(kreq, len(prompt), received)
         self._wake.set()
         try:
             await added
@@ -238,6 +241,11 @@ class PrefillWorker:
             await wait_event(self._wake, 0.01)
             return
         self._stepping = [rid for rid, _ in plan.chunks]
+        began = time.time()
+        for rid in self._stepping:
+            job = self._jobs.get(rid)
+            if job is not None and not job.started:
+                job.started = began
         t0 = time.perf_counter()
         outs, refused, blocks, computed, events = await self._thread.call(
             self._run, list(plan.chunks), self._protect())
@@ -281,7 +289,8 @@ class PrefillWorker:
             firsts.setdefault(job.decode_worker_id, []).append(
                 Prefilled(rid, int(head.new_token_ids[0]), finish, t,
                           deltas=tuple(token_delta(o) for o in done)))
-            self._events.append(ReqEvent(rid, WorkerEvent.PREFILL_DONE, t))
+            self._events.append(ReqEvent(rid, WorkerEvent.PREFILL_DONE, t,
+                                         received=job.received, started=job.started))
         for dwid, items in firsts.items():
             self._spawn_send(dwid, PrefilledBatch(tuple(items)))
         if self._events:

@@ -11,6 +11,7 @@ Data flow::
                                                                    decision counters
     request finishes ──on_request_finished(tier, ttft_s, tpot_s, e2e_s, met_slo)──▶
                                                  latency histograms, SLO / goodput counters
+    prefill done ──on_ttft_parts(tier, {queued, handoff, step_wait, prefill})──▶ hop histograms
     kvtransfer done ──on_transfer(topology_class, num_bytes, seconds)──▶ transfer figures
     periodic snapshot ──set_queue_depth / set_request_counts / set_kv_usage / set_shares
                         / on_prefix_lookup──▶ gauges and prefix-cache counters
@@ -30,6 +31,11 @@ API (all methods are cheap, synchronous and thread-safe through prometheus-clien
   num_output_tokens=0, finished_reason="stop", queue_s=None)``: ``tpot_s`` is ``None`` for a
   single-token answer; ``queue_s`` is the time spent QUEUED before the first prefill.
 - ``on_admission_rejected(tier, reason)``: a rejection that produced no DecisionRecord.
+- ``on_ttft_parts(tier, parts)``: one prefill's time to first token split into its hops
+  (``TTFT_PARTS``: the global queue, the hand-off to the prefill worker, the wait there for
+  the step that runs its first chunk, the prefill itself); ``ttft_parts()`` reads the
+  histograms back as plain types and :func:`parts_summary` turns two such readings into
+  per-tier, per-hop samples, mean, p50 and p99 (what the benches report).
 - ``on_transfer(topology_class, num_bytes, seconds)``: class as a string or an enum with
   ``.value`` (``same_device`` / ``same_domain`` / ``same_node`` / ``cross_node``).
 - ``on_prefix_lookup(num_queried_blocks, num_hit_blocks)``: hit rate =
@@ -57,6 +63,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -74,6 +81,13 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# The hops of a time to first token (``on_ttft_parts``): finer below the 200 ms of a chat tier.
+PART_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25,
+                0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# queued: arrival -> dispatch (the global queue); handoff: dispatch -> the prefill worker
+# has it (RPCs, the decode worker's reservation); step_wait: -> the step that runs its first
+# chunk begins (the wait for a running step); prefill: -> its first token is sampled.
+TTFT_PARTS = ("queued", "handoff", "step_wait", "prefill")
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)
 
@@ -192,6 +206,9 @@ class MetricsRecorder:
                                          "tier fitted a decode worker and was not placed.",
                                          ["tier"], registry=r)
         self._work_conservation_seen: dict[str, float] = {}
+        self.ttft_part = Histogram(p + "ttft_part_seconds", "A time to first token split into "
+                                   "its hops (part: " + ", ".join(TTFT_PARTS) + "), per tier.",
+                                   ["tier", "part"], buckets=PART_BUCKETS, registry=r)
         self.worker_prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Share of the prompt "
                                             "blocks a worker looked up in its prefix cache that "
                                             "were hits (since it started).", ["worker_id"],
@@ -259,6 +276,35 @@ class MetricsRecorder:
         cls = _label(topology_class)
         self.transfer_bytes.labels(cls).inc(num_bytes)
         self.transfer_seconds.labels(cls).observe(seconds)
+
+    def on_ttft_parts(self, tier: int, parts: Mapping[str, float]) -> None:
+        """One prefill's time to first token, hop by hop (names from ``TTFT_PARTS``)."""
+        for name, v in parts.items():
+            if name not in TTFT_PARTS or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"on_ttft_parts: bad part {name}={v}")
+        t = str(tier)
+        for name, v in parts.items():
+            self.ttft_part.labels(t, name).observe(v)
+
+    def ttft_parts(self) -> dict[str, dict[str, dict[str, object]]]:
+        """The hop histograms now, per tier and part: ``{"sum", "count", "buckets":
+        [[upper bound, cumulative count], ...]}`` (plain types; :func:`parts_summary`
+        reads two of these)."""
+        out: dict[str, dict[str, dict[str, object]]] = {}
+        for fam in self.ttft_part.collect():
+            for smp in fam.samples:
+                tier, part = smp.labels["tier"], smp.labels["part"]
+                h = out.setdefault(tier, {}).setdefault(part,
+                                                         {"sum": 0.0, "count": 0, "buckets": []})
+                if smp.name.endswith("_bucket"):
+                    le = float(smp.labels["le"])
+                    if math.isfinite(le):
+                        h["buckets"].append([le, int(smp.value)])  # type: ignore[union-attr]
+                elif smp.name.endswith("_sum"):
+                    h["sum"] = float(smp.value)
+                elif smp.name.endswith("_count"):
+                    h["count"] = int(smp.value)
+        return out
 
     def on_prefix_lookup(self, num_queried_blocks: int, num_hit_blocks: int) -> None:
         if not 0 <= num_hit_blocks <= num_queried_blocks:
@@ -330,6 +376,47 @@ class MetricsRecorder:
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (serve with CONTENT_TYPE)."""
         return generate_latest(self.registry)
+
+
+def histogram_quantile(q: float, buckets: Sequence[Sequence[float]], count: int) -> float | None:
+    """Prometheus' ``histogram_quantile``: the ``q`` quantile from cumulative buckets
+    ``[[upper bound, count], ...]`` (ascending, +Inf left out; ``count`` all samples),
+    linear within the bucket; past the last finite bound, that bound. None: no samples."""
+    if count <= 0:
+        return None
+    rank = q * count
+    lo, below = 0.0, 0
+    for le, cum in buckets:
+        if cum >= rank:
+            inside = cum - below
+            return le if inside <= 0 else lo + (le - lo) * (rank - below) / inside
+        lo, below = le, cum
+    return lo
+
+
+def parts_summary(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None
+                  ) -> dict[str, dict[str, dict[str, float | int | None]]] | None:
+    """What the hop histograms (:meth:`MetricsRecorder.ttft_parts`) gained from ``before``
+    to ``after``, per tier and part: samples, mean, p50 and p99 in ms (a histogram that
+    went down was reset: all of ``after`` is new). None when ``after`` is unknown."""
+    if after is None:
+        return None
+    out: dict[str, dict[str, dict[str, float | int | None]]] = {}
+    for tier, parts in after.items():
+        for part, h in parts.items():
+            b = ((before or {}).get(tier) or {}).get(part)
+            if b is not None and int(b["count"]) > int(h["count"]):
+                b = None
+            n = int(h["count"]) - (int(b["count"]) if b else 0)
+            total = float(h["sum"]) - (float(b["sum"]) if b else 0.0)
+            old = {le: c for le, c in b["buckets"]} if b else {}
+            cum = [[le, c - old.get(le, 0)] for le, c in h["buckets"]]
+            q50, q99 = histogram_quantile(0.5, cum, n), histogram_quantile(0.99, cum, n)
+            out.setdefault(tier, {})[part] = {
+                "n": n, "mean_ms": round(1e3 * total / n, 2) if n else None,
+                "p50_ms": None if q50 is None else round(1e3 * q50, 2),
+                "p99_ms": None if q99 is None else round(1e3 * q99, 2)}
+    return out
 
 
 def _family_names() -> frozenset[str]:

@@ -472,6 +472,11 @@ class ReqEvent:
     reason: str = ""
     # PREEMPTED_MIGRATE: the decode worker that took the request over (its owner now).
     peer_worker_id: str = ""
+    # PREFILL_DONE from a prefill worker: when the request reached the worker and when the
+    # step that ran its first chunk began (0.0: not known). With the dispatch and ``time``
+    # they split a time to first token into its hops (``tierserve:ttft_part_seconds``).
+    received: float = 0.0
+    started: float = 0.0
 
 
 @message("blk")

@@ -134,6 +134,44 @@ def test_reports_move_the_state_machine_and_router_finish_feeds_metrics() -> Non
     asyncio.run(go())
 
 
+def test_a_first_prefill_is_split_into_its_hops_once() -> None:
+    """Issue 22 item 6: the wait a tier-0 prompt still has, hop by hop. The kernel's
+    arrival and dispatch and the prefill worker's receipt and step start split its time to
+    first token into the global queue, the hand-off, the wait for a step and the prefill
+    (``tierserve:ttft_part_seconds``, and in stats for the benches)."""
+    async def go() -> None:
+        gs, _ = make_scheduler({"d-a": 64})
+        s = spec("x", 20, tier=0)
+        gs.submit_batch(SubmitBatch((s,)))
+        await settle(gs)
+        sent = next(r.time for r in gs.core.get("x").history
+                    if r.to_state is RequestState.PREFILLING)
+        got, began, first = sent + 0.01, sent + 0.03, sent + 0.08
+        gs.report(WorkerReport("p-a", 64, 64, (ReqEvent(
+            "x", WorkerEvent.PREFILL_DONE, first, received=got, started=began),)))
+        # A second PREFILL_DONE (a report sent twice) is not a second first token.
+        gs.report(WorkerReport("p-a", 64, 64, (ReqEvent(
+            "x", WorkerEvent.PREFILL_DONE, first, received=got, started=began),)))
+        hops = gs.stats()["ttft_parts"]["0"]
+        assert {p: h["count"] for p, h in hops.items()} == {
+            "queued": 1, "handoff": 1, "step_wait": 1, "prefill": 1}
+        assert hops["queued"]["sum"] == pytest.approx(sent - s.arrival_time)
+        assert hops["handoff"]["sum"] == pytest.approx(0.01)
+        assert hops["step_wait"]["sum"] == pytest.approx(0.02)
+        assert hops["prefill"]["sum"] == pytest.approx(0.05)
+        assert "tierserve:ttft_part_seconds_bucket" in gs.render_metrics()[0].decode()
+        # Clocks that disagree (a step that began before the prompt arrived) say nothing.
+        gs.submit_batch(SubmitBatch((spec("y", 20, tier=0),)))
+        await settle(gs)
+        now = time.time()
+        gs.report(WorkerReport("p-a", 64, 64, (ReqEvent(
+            "y", WorkerEvent.PREFILL_DONE, now, received=now, started=now - 1.0),)))
+        assert gs.stats()["ttft_parts"]["0"]["prefill"]["count"] == 1
+        await gs.close()
+
+    asyncio.run(go())
+
+
 def test_a_worker_abort_ends_the_request_on_every_worker_and_tells_its_router() -> None:
     async def go() -> None:
         gs, w = make_scheduler({"d-a": 64})

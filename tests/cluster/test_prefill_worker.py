@@ -308,6 +308,9 @@ def test_a_report_that_fails_keeps_its_events_for_the_next(failure: str) -> None
     done = [e for rep in delivered for e in rep.events if e.event is WorkerEvent.PREFILL_DONE]
     assert [e.req_id for e in done] == ["r1"]
     assert done[0] == next(e for e in failed[0].events if e.event is WorkerEvent.PREFILL_DONE)
+    # It says when the prompt reached this worker and when its first chunk's step began:
+    # the global scheduler splits its time to first token with them.
+    assert 0 < done[0].received <= done[0].started <= done[0].time
 
 
 def test_a_prompt_started_during_a_step_is_planned_for_the_next_one() -> None:

@@ -117,6 +117,39 @@ def test_work_conservation_counter_follows_the_kernels_running_totals() -> None:
     assert "tierserve:work_conservation_seconds" in METRIC_NAMES
 
 
+def test_ttft_hops_are_histograms_read_back_and_summarised_over_a_window() -> None:
+    from cluster.http_replay import parse_ttft_parts
+    from router.metrics import histogram_quantile, parts_summary
+
+    rec = MetricsRecorder(default_tiers())
+    rec.on_ttft_parts(0, {"queued": 0.003, "handoff": 0.002, "step_wait": 0.5, "prefill": 0.1})
+    before = rec.ttft_parts()
+    for wait in (0.01, 0.03, 0.03, 0.07):
+        rec.on_ttft_parts(0, {"queued": 0.003, "handoff": 0.002, "step_wait": wait,
+                              "prefill": 0.1})
+    rec.on_ttft_parts(2, {"step_wait": 2.0})
+    after = rec.ttft_parts()
+    # What /metrics says is what the recorder says (the HTTP benches read the former).
+    assert parse_ttft_parts(rec.render().decode()) == after
+    assert parse_ttft_parts("vllm:num_requests_running 2.0\n") is None  # a peer
+    s = parts_summary(before, after)
+    wait = s["0"]["step_wait"]
+    # The window holds the four later samples only: the 0.5 s before it is not in them.
+    assert wait["n"] == 4 and wait["mean_ms"] == pytest.approx(35.0)
+    assert 20.0 <= wait["p50_ms"] <= 40.0 and 60.0 <= wait["p99_ms"] <= 80.0
+    assert s["2"]["step_wait"]["n"] == 1 and s["2"]["step_wait"]["mean_ms"] == 2000.0
+    assert set(s["2"]) == {"step_wait"}  # a hop never measured has no entry
+    # A histogram that went down was reset: all of the later reading is new.
+    assert parts_summary(after, before)["0"]["step_wait"]["n"] == 1
+    assert parts_summary(before, None) is None
+    # Prometheus' interpolation: half of the samples in (0, 1], half in (1, 2].
+    assert histogram_quantile(0.5, [[1.0, 5], [2.0, 10]], 10) == pytest.approx(1.0)
+    assert histogram_quantile(0.75, [[1.0, 5], [2.0, 10]], 10) == pytest.approx(1.5)
+    assert histogram_quantile(0.99, [[1.0, 5], [2.0, 5]], 10) == 2.0  # past the last bound
+    assert histogram_quantile(0.5, [[1.0, 0]], 0) is None
+    assert "tierserve:ttft_part_seconds" in METRIC_NAMES
+
+
 def test_recorders_do_not_share_a_registry() -> None:
     a, b = MetricsRecorder(), MetricsRecorder()
     a.on_transfer("cross_node", 10, 0.1)
@@ -142,6 +175,8 @@ def test_every_family_is_prefixed_and_listed() -> None:
         lambda r: r.set_shares([1.5, -0.5]),
         lambda r: r.set_work_conservation([0.0, -1.0]),
         lambda r: r.set_work_conservation([float("nan")]),
+        lambda r: r.on_ttft_parts(0, {"queued": -0.1}),
+        lambda r: r.on_ttft_parts(0, {"decode": 0.1}),  # not a hop of a first token
         lambda r: r.on_request_finished(0, -1.0, None, 1.0, met_slo=True),
         lambda r: r.on_request_finished(0, 0.1, None, 1.0),  # no TierConfig, no met_slo
     ],
