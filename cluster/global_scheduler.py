@@ -300,13 +300,12 @@ class GlobalScheduler:
 
     def _observe_hops(self, ev: ReqEvent) -> None:
         """A first prefill's time to first token, hop by hop (``tierserve:ttft_part_seconds``):
-        the kernel's arrival and dispatch, the prefill worker's receipt and step start."""
+        the kernel's arrival and dispatch order, the prefill worker's receipt and step start."""
         entry = self.core.live.get(ev.req_id)
         if entry is None or entry.req.first_token_time is not None:
             return  # gone, or its first token was already counted
-        req = entry.req
-        sent = _dispatched_at(req)
-        if sent is None or not req.arrival_time <= sent <= ev.received <= ev.started <= ev.time:
+        req, sent = entry.req, entry.dispatched_at
+        if not req.arrival_time <= sent <= ev.received <= ev.started <= ev.time:
             return  # clocks that disagree (another host's) tell nothing here
         self.metrics.on_ttft_parts(req.tier, {
             "queued": sent - req.arrival_time, "handoff": ev.received - sent,
@@ -613,7 +612,8 @@ def _swapped(req: Request) -> bool:
 
 
 def _dispatched_at(req: Request) -> float | None:
-    """When the request first left the global queue for a worker (None: it never did)."""
+    """When the request first left the global queue for a worker, as the kernel recorded it
+    (the decode worker's answer to its dispatch; None: it never did)."""
     for rec in req.history:
         if rec.from_state is RequestState.QUEUED and rec.to_state is not RequestState.QUEUED \
                 and not rec.to_state.is_finished:

@@ -261,6 +261,7 @@ class _Entry:
     req: Request
     router_id: str
     is_dispatching: bool = False
+    dispatched_at: float = 0.0  # when the last dispatch order for it was made (0: never)
     move_class: TopologyClass | None = None
     num_blocks: int = 0
     # Rebuilt from a worker's registration after a restart of the scheduler, and not yet
@@ -835,6 +836,7 @@ class ClusterScheduler:
         dslot.num_promised += need
         entry = self.live[req.req_id]
         entry.is_dispatching = True
+        entry.dispatched_at = now
         entry.num_blocks = need
         cls = (topology_class(prefill_slot.info, dslot.info) if prefill_slot is not None
                else TopologyClass.SAME_DEVICE)

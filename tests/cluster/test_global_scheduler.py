@@ -144,8 +144,10 @@ def test_a_first_prefill_is_split_into_its_hops_once() -> None:
         s = spec("x", 20, tier=0)
         gs.submit_batch(SubmitBatch((s,)))
         await settle(gs)
-        sent = next(r.time for r in gs.core.get("x").history
-                    if r.to_state is RequestState.PREFILLING)
+        # The dispatch order's time: the kernel moves the request to PREFILLING only on the
+        # decode worker's answer, which may come after the prefill worker has it.
+        sent = gs.core.live["x"].dispatched_at
+        assert 0 < sent <= time.time()
         got, began, first = sent + 0.01, sent + 0.03, sent + 0.08
         gs.report(WorkerReport("p-a", 64, 64, (ReqEvent(
             "x", WorkerEvent.PREFILL_DONE, first, received=got, started=began),)))
