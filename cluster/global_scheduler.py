@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from cluster.kv_memory_stats import KVMemoryStats
 from cluster.why import RequestLog, TransferInfo, explain
-from engine.service import wait_event
+from engine.aio import wait_event
 from router.metrics import CONTENT_TYPE, MetricsRecorder
+from scheduler.block_hashes import compute_block_hashes
 from scheduler.cluster_scheduler import (
     AbortOrder,
     ClusterScheduler,
@@ -320,8 +321,6 @@ class GlobalScheduler:
     # -- requests ------------------------------------------------------------------------
 
     def submit_batch(self, batch: SubmitBatch) -> SubmitAnswers:
-        from engine.block_pool import compute_block_hashes  # light: no model import
-
         now = time.time()
         answers = []
         bs = self.core.block_size

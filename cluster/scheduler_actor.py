@@ -40,8 +40,8 @@ from cluster.config import ClusterConfig
 from cluster.global_scheduler import GlobalScheduler, GoneReason, WorkerGone
 from cluster.messages import pack
 from cluster.supervisor import ProgressWatch, Verdict
-from cluster.worker_setup import cost_prior, link_costs
 from scheduler.cluster_scheduler import PoolMode
+from scheduler.links import prior_link_costs
 from scheduler.messages import (
     AbortBatch,
     Claim,
@@ -59,6 +59,7 @@ from scheduler.messages import (
     decode,
     encode,
 )
+from scheduler.step_costs import cost_prior
 from scheduler.topology import WorkerInfo, WorkerRole
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ class SchedulerService:
         device = str(info["location"]["device"])
         p = self.cfg.pools
         return GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
-                               p.block_size, self.client, link_costs(bpb, device),
+                               p.block_size, self.client, prior_link_costs(bpb, device),
                                mode=PoolMode(self.cfg.pool_mode),
                                control_interval_s=self.cfg.scheduling.control_interval_s,
                                cost_prior=cost_prior(device),

@@ -20,7 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.scheduler_link import SchedulerLink
 from cluster.worker_runtime import build_engine, locate
 from engine.service import bytes_per_block
-from scheduler.links import LinkModel
+from scheduler.links import LinkModel, prior_link_costs
 from scheduler.messages import (
     MigrateAnswer,
     MigrateIn,
@@ -29,7 +29,7 @@ from scheduler.messages import (
     decode,
     encode,
 )
-from scheduler.step_costs import CPU_PRIOR, GPU_PRIOR, StepCosts
+from scheduler.step_costs import StepCosts, cost_prior
 from scheduler.step_planner import WorkerLimits
 from scheduler.topology import WorkerRole
 
@@ -41,36 +41,6 @@ def peer_timeout(cfg: ClusterConfig) -> float:
     prefill, a migration asking its target) must give up before the scheduler's call does, or a slow peer would look like
     a dead caller."""
     return min(RPC_TIMEOUT_S, cfg.router.rpc_timeout_s / 2)
-
-
-def link_costs(bytes_per_block: int, device: str = "cuda") -> Any:
-    """Prior link costs per topology class and of the host link, by device: the kernel's
-    link model (scheduler.links) starts from these and moves to what the workers measure
-    (every migration and swap they time). GPU: NVLink, PCIe and network figures; CPU:
-    gloo over TCP between processes, a memory copy for a swap."""
-    from scheduler.topology import LinkCosts, TopologyClass
-
-    gb = 1e9
-    if not device.startswith("cuda"):
-        return LinkCosts(
-            bytes_per_block=bytes_per_block,
-            bw={TopologyClass.SAME_DEVICE: 4 * gb, TopologyClass.SAME_DOMAIN: 1.5 * gb,
-                TopologyClass.SAME_NODE: 1.5 * gb, TopologyClass.CROSS_NODE: 1 * gb},
-            latency={TopologyClass.SAME_DEVICE: 1e-4, TopologyClass.SAME_DOMAIN: 1e-3,
-                     TopologyClass.SAME_NODE: 1e-3, TopologyClass.CROSS_NODE: 2e-3},
-            host_bw=4 * gb, host_latency=1e-4)
-    return LinkCosts(
-        bytes_per_block=bytes_per_block,
-        bw={TopologyClass.SAME_DEVICE: 500 * gb, TopologyClass.SAME_DOMAIN: 150 * gb,
-            TopologyClass.SAME_NODE: 20 * gb, TopologyClass.CROSS_NODE: 10 * gb},
-        latency={TopologyClass.SAME_DEVICE: 5e-6, TopologyClass.SAME_DOMAIN: 10e-6,
-                 TopologyClass.SAME_NODE: 30e-6, TopologyClass.CROSS_NODE: 100e-6},
-        host_bw=20 * gb,
-    )
-
-
-def cost_prior(device: str) -> tuple[float, ...]:
-    return GPU_PRIOR if device.startswith("cuda") else CPU_PRIOR
 
 
 def limits(cfg: ClusterConfig) -> WorkerLimits:
@@ -87,7 +57,7 @@ def worker_policy(cfg: ClusterConfig, engine: Any, costs: StepCosts,
     from scheduler.policy import PolicyContext
 
     if links is None:
-        links = link_costs(bytes_per_block(engine), str(engine.pool.kv_layout().device))
+        links = prior_link_costs(bytes_per_block(engine), str(engine.pool.kv_layout().device))
     ctx = PolicyContext(cfg.tier_config, costs, links, cfg.pools.block_size)
     return make_policy(cfg.scheduling.policy, ctx)
 
@@ -157,7 +127,7 @@ async def make_decode_worker(worker_id: str, index: int, cfg: ClusterConfig,
         return decode(got, MigrateAnswer)
 
     costs = _costs(cfg, engine)
-    links = LinkModel(link_costs(bytes_per_block(engine), device))
+    links = LinkModel(prior_link_costs(bytes_per_block(engine), device))
     info = location.to_worker_info(worker_id, WorkerRole.DECODE, engine.num_total_blocks)
     worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs, links),
                           costs, limits(cfg), link.report, start_prefill,

@@ -56,15 +56,15 @@ from decode_pool.kv_moves import (
     Outbound,
     shared_prefix_blocks,
 )
-from engine.block_pool import compute_block_hashes
+from engine.aio import wait_event
 from engine.service import (
     EngineThread,
     block_events,
     bytes_per_block,
     sampling_params,
     token_delta,
-    wait_event,
 )
+from scheduler.block_hashes import compute_block_hashes
 from scheduler.links import LinkModel
 from scheduler.messages import (
     BlockEvent,

@@ -135,23 +135,32 @@ build), ``python -m engine.bench_steps`` (prefill and decode step times).
 
 from __future__ import annotations
 
-from engine.block_pool import (
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    KVLayout,
-    compute_block_hashes,
-    hash_block_tokens,
-)
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.errors import EngineSettingError, PromptTooLong, UnsupportedArchitecture
-from engine.model_loader import SUPPORTED_ARCHITECTURES, load_model
-from engine.outputs import FinishReason, StepOutput
-from engine.prepare_model import default_model_path
-from engine.requests import ReqState
-from engine.sampling import SamplingParams
+import importlib
+from typing import TYPE_CHECKING, Any
 
+# The public names, each from its module. They load on first use (PEP 562), so a process
+# that imports a light module of this package (``engine.aio``, ``engine.peer_venv``), such
+# as the global scheduler's actor, does not load torch.
+_SOURCES = {
+    "BlockPool": "engine.block_pool",
+    "BlockRemoved": "engine.block_pool",
+    "BlockStored": "engine.block_pool",
+    "KVLayout": "engine.block_pool",
+    "EngineConfig": "engine.config",
+    "LLMEngine": "engine.engine",
+    "EngineSettingError": "engine.errors",
+    "PromptTooLong": "engine.errors",
+    "UnsupportedArchitecture": "engine.errors",
+    "SUPPORTED_ARCHITECTURES": "engine.model_loader",
+    "load_model": "engine.model_loader",
+    "FinishReason": "engine.outputs",
+    "StepOutput": "engine.outputs",
+    "default_model_path": "engine.prepare_model",
+    "ReqState": "engine.requests",
+    "SamplingParams": "engine.sampling",
+    "compute_block_hashes": "scheduler.block_hashes",
+    "hash_block_tokens": "scheduler.block_hashes",
+}
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "BlockPool",
@@ -172,3 +181,28 @@ __all__ = [
     "hash_block_tokens",
     "load_model",
 ]
+
+if TYPE_CHECKING:
+    from engine.block_pool import BlockPool, BlockRemoved, BlockStored, KVLayout
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.errors import EngineSettingError, PromptTooLong, UnsupportedArchitecture
+    from engine.model_loader import SUPPORTED_ARCHITECTURES, load_model
+    from engine.outputs import FinishReason, StepOutput
+    from engine.prepare_model import default_model_path
+    from engine.requests import ReqState
+    from engine.sampling import SamplingParams
+    from scheduler.block_hashes import compute_block_hashes, hash_block_tokens
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SOURCES))

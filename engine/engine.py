@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.block_pool import BlockEvent, BlockPool, compute_block_hashes
+from engine.block_pool import BlockEvent, BlockPool
 from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
 from engine.errors import EngineSettingError, PromptTooLong
 from engine.grammar import GrammarCompiler, Matcher
@@ -40,6 +40,7 @@ from engine.runner import ModelRunner, SeqWork
 from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from engine.sampling import SamplingParams, random_seed
 from engine.swap_space import SwapSpace
+from scheduler.block_hashes import compute_block_hashes
 
 Scheduled = tuple[EngineRequest, SeqWork]
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import hash_block_tokens
 from engine.grammar import Matcher
 from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
+from scheduler.block_hashes import hash_block_tokens
 
 
 class ReqState(enum.Enum):

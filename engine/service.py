@@ -46,21 +46,6 @@ class EngineThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait until ``event`` is set or ``timeout_s`` passes; True when it was set.
-
-    Built on ``asyncio.wait`` rather than ``wait_for``: on Python 3.10/3.11 ``wait_for``
-    can swallow a cancellation that races its timeout, and a loop built on it may then
-    never stop.
-    """
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
-    finally:
-        waiter.cancel()
-    return bool(done)
-
-
 def sampling_params(spec: GenerationSpec, *, max_tokens: int | None = None) -> SamplingParams:
     """The engine's parameters of a request from the wire (ValueError: out of range)."""
     s = spec.sampling

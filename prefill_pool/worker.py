@@ -48,8 +48,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_pool import compute_block_hashes
-from engine.service import EngineThread, block_events, sampling_params, token_delta, wait_event
+from engine.aio import wait_event
+from engine.service import EngineThread, block_events, sampling_params, token_delta
+from scheduler.block_hashes import compute_block_hashes
 from scheduler.messages import (
     BlockEvent,
     GenerationSpec,

@@ -133,3 +133,27 @@ class LinkModel:
 def _figures(e: LinkEstimate) -> dict[str, float]:
     return {"gbps": e.bw / 1e9, "latency_ms": 1e3 * e.latency_s,
             "num_samples": float(e.num_samples)}
+
+
+def prior_link_costs(bytes_per_block: int, device: str = "cuda") -> LinkCosts:
+    """Prior link costs per topology class and of the host link, by device: the kernel's
+    link model (scheduler.links) starts from these and moves to what the workers measure
+    (every migration and swap they time). GPU: NVLink, PCIe and network figures; CPU:
+    gloo over TCP between processes, a memory copy for a swap."""
+    gb = 1e9
+    if not device.startswith("cuda"):
+        return LinkCosts(
+            bytes_per_block=bytes_per_block,
+            bw={TopologyClass.SAME_DEVICE: 4 * gb, TopologyClass.SAME_DOMAIN: 1.5 * gb,
+                TopologyClass.SAME_NODE: 1.5 * gb, TopologyClass.CROSS_NODE: 1 * gb},
+            latency={TopologyClass.SAME_DEVICE: 1e-4, TopologyClass.SAME_DOMAIN: 1e-3,
+                     TopologyClass.SAME_NODE: 1e-3, TopologyClass.CROSS_NODE: 2e-3},
+            host_bw=4 * gb, host_latency=1e-4)
+    return LinkCosts(
+        bytes_per_block=bytes_per_block,
+        bw={TopologyClass.SAME_DEVICE: 500 * gb, TopologyClass.SAME_DOMAIN: 150 * gb,
+            TopologyClass.SAME_NODE: 20 * gb, TopologyClass.CROSS_NODE: 10 * gb},
+        latency={TopologyClass.SAME_DEVICE: 5e-6, TopologyClass.SAME_DOMAIN: 10e-6,
+                 TopologyClass.SAME_NODE: 30e-6, TopologyClass.CROSS_NODE: 100e-6},
+        host_bw=20 * gb,
+    )

@@ -213,3 +213,8 @@ class StepCosts:
 # away from them within a few dozen steps.
 CPU_PRIOR = (0.02, 1.6e-3, 2.0e-8, 1.5e-3, 4.0e-6)
 GPU_PRIOR = (0.003, 2.5e-5, 1.0e-10, 2.0e-5, 5.0e-8)
+
+
+def cost_prior(device: str) -> tuple[float, ...]:
+    """The step-cost prior a worker on ``device`` starts from ("cuda..." or else the CPU's)."""
+    return GPU_PRIOR if device.startswith("cuda") else CPU_PRIOR

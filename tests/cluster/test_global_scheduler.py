@@ -308,3 +308,17 @@ def test_closed_requests_are_traced_and_scrapes_snapshot_counts_and_shares() -> 
         await gs.close()
 
     asyncio.run(go())
+
+
+def test_the_scheduler_actor_does_not_load_torch() -> None:
+    """Issue 23: the global scheduler decides in pure objects; its actor's process loads no
+    torch (the prompt's block hashes, the cost and link priors and the asyncio helpers it
+    uses live below the engine's model code)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cluster.scheduler_actor, cluster.global_scheduler; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

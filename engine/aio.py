@@ -1,4 +1,4 @@
-"""Small asyncio helpers shared by the actors' loops."""
+"""Small asyncio helpers shared by the actors' loops (no torch: the scheduler's actor uses them)."""
 
 from __future__ import annotations
 
