@@ -246,6 +246,7 @@ async def probe_migration(handles: Any, backend: Any, tokens: int, seed: int) ->
     tokens are the undisturbed run's. Run on a cluster without prefix caching, so that a
     recompute computes the whole context as it does once its blocks were taken."""
     from router.backend import GenerationSpec, SamplingSpec
+    from scheduler.messages import PreemptCall, PreemptMode, encode
 
     rng = random.Random(seed)
     prompt = tuple(rng.randrange(256) for _ in range(tokens))
@@ -293,7 +294,7 @@ async def probe_migration(handles: Any, backend: Any, tokens: int, seed: int) ->
             seen = len(await restores("migrate"))
             for wid, h in handles.decode.items():
                 other = next(w for w in handles.decode if w != wid)
-                if await h.preempt.remote(rid, "migrate", None, other):
+                if await h.preempt.remote(encode(PreemptCall(rid, PreemptMode.MIGRATE, None, other))):
                     break
             r = await next_restore("migrate", seen)
             if r is not None:
@@ -302,7 +303,7 @@ async def probe_migration(handles: Any, backend: Any, tokens: int, seed: int) ->
         for _ in range(PROBE_RECOMPUTES):
             seen = len(await restores("recompute"))
             for h in handles.decode.values():
-                if await h.preempt.remote(rid, "recompute", None, None):
+                if await h.preempt.remote(encode(PreemptCall(rid, PreemptMode.RECOMPUTE))):
                     break
             r = await next_restore("recompute", seen)
             if r is not None:

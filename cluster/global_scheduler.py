@@ -68,6 +68,7 @@ from scheduler.messages import (
     HeldRequest,
     Notice,
     NoticeBatch,
+    PreemptCall,
     ReqEvent,
     SubmitAnswer,
     SubmitAnswers,
@@ -94,10 +95,9 @@ class WorkerClient(Protocol):
 
     async def dispatch(self, worker_id: str, msg: Dispatch) -> DispatchAnswer: ...
 
-    async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
-        """Swap, recompute or (``target_worker_id`` set) migrate ``req_id``; False: the
-        worker did not (it no longer decodes it, or the target would not take it)."""
+    async def preempt(self, worker_id: str, msg: PreemptCall) -> bool:
+        """Swap, recompute or (``msg.target_worker_id`` set) migrate ``msg.req_id``; False:
+        the worker did not (it no longer decodes it, or the target would not take it)."""
         ...
 
     async def abort(self, worker_id: str, req_id: str) -> None: ...
@@ -466,8 +466,8 @@ class GlobalScheduler:
     async def _preempt(self, p: PreemptOrder) -> None:
         req = self.core.get(p.req_id)
         try:
-            ok = await self.client.preempt(p.worker_id, p.req_id, p.mode.value, p.for_req_id,
-                                           p.target_worker_id)
+            ok = await self.client.preempt(p.worker_id, PreemptCall(
+                p.req_id, p.mode, p.for_req_id, p.target_worker_id))
         except WorkerGone:
             self.worker_failed(p.worker_id)
             return

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.messages import KVMemoryReport
+from scheduler.messages import KVMemoryReport, PreemptMode
 from scheduler.request import Decision, DecisionRecord
 
 _PREEMPT = {Decision.PREEMPT_SWAP: "swap", Decision.PREEMPT_RECOMPUTE: "recompute",
@@ -77,10 +77,12 @@ class KVMemoryStats:
         migration from that worker to this one (None: unknown worker)."""
         self.memory[worker_id] = mem
         for r in mem.restores:
-            cls = ("host" if r.mode == "swap" else "same_device" if r.mode == "recompute"
+            mode = r.mode.value
+            cls = ("host" if r.mode is PreemptMode.SWAP else "same_device"
+                   if r.mode is PreemptMode.RECOMPUTE
                    else move_class(r.from_worker_id) or "unknown")
-            _push(self.restore_s.setdefault((r.mode, cls), []), r.seconds)
-            self.recent.append((r.req_id, r.mode, cls, 1e3 * r.seconds, r.num_cached_tokens))
+            _push(self.restore_s.setdefault((mode, cls), []), r.seconds)
+            self.recent.append((r.req_id, mode, cls, 1e3 * r.seconds, r.num_cached_tokens))
 
     def forget_worker(self, worker_id: str) -> None:
         self.memory.pop(worker_id, None)

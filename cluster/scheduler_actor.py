@@ -50,6 +50,7 @@ from scheduler.messages import (
     DispatchAnswer,
     FinishBatch,
     HelloAnswer,
+    PreemptCall,
     SubmitAnswer,
     SubmitAnswers,
     SubmitBatch,
@@ -102,10 +103,8 @@ class RayWorkerClient:
     async def dispatch(self, worker_id: str, msg: Dispatch) -> DispatchAnswer:
         return decode(await self._call(worker_id, "dispatch", encode(msg)), DispatchAnswer)
 
-    async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
-        return bool(await self._call(worker_id, "preempt", req_id, mode, for_req_id,
-                                     target_worker_id))
+    async def preempt(self, worker_id: str, msg: PreemptCall) -> bool:
+        return bool(await self._call(worker_id, "preempt", encode(msg)))
 
     async def abort(self, worker_id: str, req_id: str) -> None:
         await self._call(worker_id, "abort", req_id)

@@ -36,6 +36,7 @@ from scheduler.messages import (
     DispatchAnswer,
     MigrateAnswer,
     MigrateIn,
+    PreemptCall,
     PrefilledBatch,
     StartPrefill,
     WorkerHello,
@@ -170,11 +171,11 @@ def _make_decode_actor() -> Any:
             for rid in decode(msg, AbortBatch).req_ids:
                 await self.abort(rid)
 
-        async def preempt(self, req_id: str, mode: str, for_req_id: str | None,
-                          target_worker_id: str | None = None) -> bool:
+        async def preempt(self, msg: bytes) -> bool:
+            m = decode(msg, PreemptCall)
             if self._w is None:
                 return False
-            return await self._w.preempt(req_id, mode, for_req_id, target_worker_id)
+            return await self._w.preempt(m.req_id, m.mode, m.for_req_id, m.target_worker_id)
 
         async def migrate_in(self, msg: bytes) -> bytes:
             m = decode(msg, MigrateIn)

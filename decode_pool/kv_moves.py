@@ -39,6 +39,7 @@ from scheduler.messages import (
     LinkSample,
     MigrateAnswer,
     MigrateIn,
+    PreemptMode,
     RestoreStat,
 )
 
@@ -84,11 +85,11 @@ class MemoryLedger:
     def swapped(self, kind: LinkKind, num_blocks: int, seconds: float) -> None:
         self._samples.append(LinkSample(kind, num_blocks * self.bytes_per_block, seconds))
 
-    def restored(self, req_id: str, mode: str, seconds: float, from_worker_id: str = "", *,
+    def restored(self, req_id: str, mode: PreemptMode, seconds: float, from_worker_id: str = "", *,
                  num_cached_tokens: int = 0) -> None:
         self._restores.append(RestoreStat(req_id, mode, seconds, from_worker_id,
                                           num_cached_tokens))
-        self.num_restores[mode] = self.num_restores.get(mode, 0) + 1
+        self.num_restores[mode.value] = self.num_restores.get(mode.value, 0) + 1
 
     def report(self, engine: Any) -> KVMemoryReport:
         swap = engine.swap

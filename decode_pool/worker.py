@@ -64,6 +64,7 @@ from engine.service import (
     sampling_params,
     token_delta,
 )
+from kvtransfer.state import TransferState
 from scheduler.block_hashes import compute_block_hashes
 from scheduler.links import LinkModel
 from scheduler.messages import (
@@ -344,7 +345,7 @@ class DecodeWorker:
             self._emit(r, (), error=error)
             self._flush()
 
-    async def preempt(self, req_id: str, mode: str, for_req_id: str | None,
+    async def preempt(self, req_id: str, mode: PreemptMode, for_req_id: str | None,
                       target_worker_id: str | None = None) -> bool:
         """Swap out, recompute or migrate (to ``target_worker_id``) ``req_id`` for
         ``for_req_id`` (None: this worker's own KV pressure). A swap that does not fit the
@@ -352,7 +353,7 @@ class DecodeWorker:
         order for a request whose migration is under way (its target died) ends the
         migration and recomputes it here; for one recomputing here already it is True."""
         r = self._reqs.get(req_id)
-        if r is not None and mode == PreemptMode.RECOMPUTE.value:
+        if r is not None and mode is PreemptMode.RECOMPUTE:
             if r.stage is Stage.MIGRATING:
                 if self.producer is not None:
                     self.producer.abort(req_id)
@@ -361,31 +362,31 @@ class DecodeWorker:
                 return True
         if r is None or r.stage is not Stage.DECODING:
             return False
-        if mode == PreemptMode.MIGRATE.value:
+        if mode is PreemptMode.MIGRATE:
             return await self._migrate_out(r, for_req_id, target_worker_id)
         free_before = self.engine.num_free_blocks
 
-        def swap_or_recompute() -> tuple[str | None, int, float]:
+        def swap_or_recompute() -> tuple[PreemptMode | None, int, float]:
             if self.engine.request_state(req_id) is None:
                 return None, 0, 0.0  # it finished in the step that just ran
             n = len(self.engine.block_ids(req_id))
             forked = not self.engine.can_recompute(req_id)  # its sequences share blocks
             t0 = time.perf_counter()
-            if (mode == PreemptMode.SWAP.value or forked) and self.engine.swap_out(req_id):
-                return "swap", n, time.perf_counter() - t0
+            if (mode is PreemptMode.SWAP or forked) and self.engine.swap_out(req_id):
+                return PreemptMode.SWAP, n, time.perf_counter() - t0
             if forked:
                 return None, n, 0.0  # swap or nothing: a forked group is never recomputed
-            return ("recompute" if self.engine.preempt_recompute(req_id) else None), n, 0.0
+            return (PreemptMode.RECOMPUTE if self.engine.preempt_recompute(req_id) else None), n, 0.0
 
         done, n, seconds = await self._thread.call(swap_or_recompute)
         ok = done is not None
-        if done == "swap":
+        if done is PreemptMode.SWAP:
             self.ledger.swapped(LinkKind.SWAP_OUT, n, seconds)
             self._learn_swap(n, seconds)
             r.stage = Stage.SWAPPED
             self.sched.swap_out(req_id)
             self._event(req_id, WorkerEvent.PREEMPTED_SWAP, for_req_id=for_req_id)
-        elif done == "recompute":
+        elif done is PreemptMode.RECOMPUTE:
             r.stage = Stage.PREFILLING
             self.sched.recompute(req_id, time.time())
             self._event(req_id, WorkerEvent.PREEMPTED_RECOMPUTE, for_req_id=for_req_id)
@@ -467,16 +468,16 @@ class DecodeWorker:
         self._report_soon()  # the scheduler's view of this worker's blocks
         return MigrateAnswer(rid, ticket, num_cached_blocks=num_cached)
 
-    async def _join_migration(self, rid: str, r: _Req, state: str | None) -> None:
+    async def _join_migration(self, rid: str, r: _Req, state: TransferState | None) -> None:
         """A request migrating here: decode it once its KV is all here; drop the
         reservation silently when the transfer ended otherwise (the source still owns
         it and recomputes it)."""
         assert r.inbound is not None
-        if state in ("failed", "aborted"):
+        if state in (TransferState.FAILED, TransferState.ABORTED):
             self._reqs.pop(rid, None)
             await self._end_transfer(rid)
             return
-        if state != "done":
+        if state is not TransferState.DONE:
             return
         self.consumer.forget(rid)
         msg = r.inbound.msg
@@ -492,7 +493,7 @@ class DecodeWorker:
         r.stage = Stage.DECODING
         self.sched.add_decode(r.kreq, msg.num_computed, len(r.block_ids))
         self._event(rid, WorkerEvent.RESUMED_MIGRATE)
-        self.ledger.restored(rid, PreemptMode.MIGRATE.value,
+        self.ledger.restored(rid, PreemptMode.MIGRATE,
                              time.perf_counter() - r.inbound.reserved_at, msg.from_worker_id)
         # Everything streamed so far, again, from index 0: the router keeps only what the
         # source's stream has not brought it yet.
@@ -511,7 +512,7 @@ class DecodeWorker:
                 continue
             if st is not None:
                 self.producer.forget(rid)
-            if st is None or st.state.value != "done":
+            if st is None or st.state is not TransferState.DONE:
                 await self._fall_back(r, "transfer " + ("lost" if st is None else st.state.value))
                 continue
             free_before = self.engine.num_free_blocks
@@ -564,7 +565,7 @@ class DecodeWorker:
                     or (req_ids is not None and rid not in req_ids)):
                 continue
             st = self.consumer.poll(rid)
-            if r.first_token is not None and st is not None and st.state.value == "done":
+            if r.first_token is not None and st is not None and st.state is TransferState.DONE:
                 continue  # everything arrived: it joins the decode batch next step
             dropped.append(rid)
             await self.abort(rid, error="worker_failed")  # the scheduler ends it in its view
@@ -667,8 +668,8 @@ class DecodeWorker:
             await wait_event(self._wake, 0.01)
             return
         for v in plan.preempt:
-            await self.preempt(v.req_id, v.mode.value if v.mode is PreemptMode.SWAP
-                               else PreemptMode.RECOMPUTE.value, None)
+            await self.preempt(v.req_id, v.mode if v.mode is PreemptMode.SWAP
+                               else PreemptMode.RECOMPUTE, None)
         for rid in plan.swap_in:
             await self._swap_in(rid)
         decodes = [rid for rid in plan.decodes if rid in self._reqs]
@@ -744,7 +745,7 @@ class DecodeWorker:
                 else:
                     self._event(out.req_id, WorkerEvent.RESUMED_RECOMPUTE)
                     if r.restore_t0 is not None:
-                        self.ledger.restored(out.req_id, PreemptMode.RECOMPUTE.value,
+                        self.ledger.restored(out.req_id, PreemptMode.RECOMPUTE,
                                              time.perf_counter() - r.restore_t0,
                                              num_cached_tokens=r.restore_cached)
                     r.restore_t0 = None
@@ -776,7 +777,7 @@ class DecodeWorker:
             self.sched.swapped_in(rid, n)
             self._event(rid, WorkerEvent.RESUMED_SWAP)
             self.ledger.swapped(LinkKind.SWAP_IN, n, seconds)
-            self.ledger.restored(rid, PreemptMode.SWAP.value, seconds)
+            self.ledger.restored(rid, PreemptMode.SWAP, seconds)
             self._learn_swap(n, seconds)
 
     async def _join_transfers(self) -> None:
@@ -784,7 +785,7 @@ class DecodeWorker:
             if r.stage is not Stage.RECEIVING:
                 continue
             st = self.consumer.poll(rid)
-            state = None if st is None else st.state.value
+            state = None if st is None else st.state
             if r.inbound is not None:
                 await self._join_migration(rid, r, state)
                 continue
@@ -796,12 +797,13 @@ class DecodeWorker:
                 self._event(rid, WorkerEvent.FINISHED_LENGTH if r.early_finish == "length"
                             else WorkerEvent.FINISHED_STOP)
                 continue
-            if state in ("failed", "aborted"):
-                log.warning("transfer of %s %s: %s", rid, state, "" if st is None else st.detail)
+            if state in (TransferState.FAILED, TransferState.ABORTED):
+                log.warning("transfer of %s %s: %s", rid, state.value,
+                            "" if st is None else st.detail)
                 await self.abort(rid, error="transfer_failed")
                 self._event(rid, WorkerEvent.TRANSFER_FAILED)
                 continue
-            if r.first_token is None or state != "done":
+            if r.first_token is None or state is not TransferState.DONE:
                 continue
             self.consumer.forget(rid)
             prompt = list(r.spec.prompt_token_ids)
@@ -880,12 +882,12 @@ class DecodeWorker:
 
     async def _send_report(self) -> None:
         for s in self.consumer.drain_stats():
-            if s.state.value == "done":
+            if s.state is TransferState.DONE:
                 self._transfers.append(TransferStat(s.req_id, s.num_bytes, s.duration_s,
                                                     s.end_time, s.topology.value))
         if self.producer is not None:  # migrations out: whole transfers, a link's pace
             for s in self.producer.drain_stats():
-                if s.state.value == "done" and s.num_bytes:
+                if s.state is TransferState.DONE and s.num_bytes:
                     self.ledger.moved(s.num_bytes, s.duration_s, self._moved_to.pop(s.req_id, ""))
         rep = self._take_report()
         try:

@@ -323,6 +323,28 @@ class PrefilledBatch:
     items: tuple[Prefilled, ...]
 
 
+@wire_enum
+class PreemptMode(enum.Enum):
+    """How a decode gives its blocks up: its KV to host memory, dropped to be prefilled
+    again, or moved to another decode worker (``scheduler.preemption`` decides which)."""
+
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+    MIGRATE = "migrate"
+
+
+@message("pord")
+@dataclass(frozen=True, slots=True)
+class PreemptCall:
+    """The global scheduler's order to a decode worker: give ``req_id``'s blocks up by
+    ``mode`` for ``for_req_id`` (a migration: to ``target_worker_id``)."""
+
+    req_id: str
+    mode: PreemptMode
+    for_req_id: str | None = None
+    target_worker_id: str | None = None
+
+
 @message("migr")
 @dataclass(frozen=True, slots=True)
 class MigrateIn:
@@ -541,7 +563,7 @@ class RestoreStat:
     from the reservation here to the request decoding here)."""
 
     req_id: str
-    mode: str  # scheduler.preemption.PreemptMode value
+    mode: PreemptMode
     seconds: float
     from_worker_id: str = ""  # migrate: the source
     # recompute: context tokens the prefix cache still held (not computed again).

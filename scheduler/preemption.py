@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from scheduler.deadlines import ServiceEstimate, slack_s
 from scheduler.links import LinkPricer
+from scheduler.messages import PreemptMode
 from scheduler.request import Request
 from scheduler.tiers import TierConfig
 from scheduler.topology import WorkerInfo, topology_class
@@ -52,12 +53,6 @@ from scheduler.topology import WorkerInfo, topology_class
 EPS = 1e-3
 # A victim with less slack than its restore takes is priced as if it had this much left.
 SLACK_FLOOR_S = 0.01
-
-
-class PreemptMode(enum.Enum):
-    SWAP = "swap"
-    RECOMPUTE = "recompute"
-    MIGRATE = "migrate"
 
 
 class VictimScorer(enum.Enum):

@@ -31,6 +31,7 @@ from scheduler.messages import (
     GenerationSpec,
     MigrateAnswer,
     MigrateIn,
+    PreemptMode,
     SamplingSpec,
     TokenBatch,
     WorkerEvent,
@@ -161,7 +162,7 @@ def test_a_migrated_request_finishes_on_the_target_token_for_token(tiny_path, re
     moved: list[bool] = []
 
     async def migrate() -> None:
-        moved.append(await pair.workers["a"].preempt("req", "migrate", None, "b"))
+        moved.append(await pair.workers["a"].preempt("req", PreemptMode.MIGRATE, None, "b"))
 
     async def scenario() -> list[int]:
         out = await _run(pair, migrate)
@@ -180,7 +181,7 @@ def test_a_migrated_request_finishes_on_the_target_token_for_token(tiny_path, re
     assert finishes and not any(e[1] is WorkerEvent.FINISHED_LENGTH for e in pair.events("a"))
     assert _pools_full(pair)
     restores = [r for rep in pair.reports["b"] if rep.memory for r in rep.memory.restores]
-    assert [(r.mode, r.from_worker_id) for r in restores] == [("migrate", "a")]
+    assert [(r.mode, r.from_worker_id) for r in restores] == [(PreemptMode.MIGRATE, "a")]
     samples = [s for rep in pair.reports["a"] if rep.memory for s in rep.memory.link_samples]
     assert any(s.peer_worker_id == "b" and s.num_bytes > 0 for s in samples)
 
@@ -202,7 +203,7 @@ def test_a_move_whose_target_gives_up_mid_transfer_is_recomputed_on_the_source(t
 
     async def scenario() -> list[int]:
         async def migrate() -> None:
-            assert await pair.workers["a"].preempt("req", "migrate", None, "b")
+            assert await pair.workers["a"].preempt("req", PreemptMode.MIGRATE, None, "b")
 
         out = await _run(pair, migrate)
         await _settle(pair)
@@ -231,9 +232,9 @@ def test_a_refused_move_leaves_the_request_decoding_on_the_source(tiny_path, ref
 
     async def scenario() -> list[int]:
         async def migrate() -> None:
-            answers.append(await pair.workers["a"].preempt("req", "migrate", None, "b"))
+            answers.append(await pair.workers["a"].preempt("req", PreemptMode.MIGRATE, None, "b"))
             # A swap and a recompute of the same request on the way, for good measure.
-            answers.append(await pair.workers["a"].preempt("req", "swap", None))
+            answers.append(await pair.workers["a"].preempt("req", PreemptMode.SWAP, None))
 
         out = await _run(pair, migrate)
         await _settle(pair)

@@ -19,6 +19,7 @@ from scheduler.messages import (
     FinishTiming,
     GenerationSpec,
     NoticeBatch,
+    PreemptCall,
     ReqEvent,
     RunningReq,
     SamplingSpec,
@@ -56,10 +57,9 @@ class FakeWorkers:
         self.free[worker_id] -= msg.num_blocks
         return DispatchAnswer(msg.spec.req_id, True, self.free[worker_id])
 
-    async def preempt(self, worker_id: str, req_id: str, mode: str,
-                      for_req_id: str | None, target_worker_id: str | None = None) -> bool:
+    async def preempt(self, worker_id: str, msg: PreemptCall) -> bool:
         self._check(worker_id)
-        self.calls.append(("preempt", worker_id, (req_id, mode, for_req_id)))
+        self.calls.append(("preempt", worker_id, (msg.req_id, msg.mode.value, msg.for_req_id)))
         return True
 
     async def abort(self, worker_id: str, req_id: str) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from scheduler.messages import PreemptCall, PreemptMode, encode
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MAX_TOKENS = 60
@@ -63,7 +65,7 @@ async def _preempt_where_held(handles: object, rid: str, mode: str,
     ``to_other``: migrate it to the other decode worker. Returns (holder, target)."""
     for wid, h in handles.decode.items():
         target = next(w for w in handles.decode if w != wid) if to_other else None
-        if await h.preempt.remote(rid, mode, None, target):
+        if await h.preempt.remote(encode(PreemptCall(rid, PreemptMode(mode), None, target))):
             return wid, target
     raise AssertionError(f"no decode worker {mode}d {rid}")
 
@@ -134,7 +136,7 @@ def test_a_migration_whose_target_is_killed_finishes_on_a_live_worker(cluster) -
         holder = target = None
         for wid, h in handles.decode.items():
             other = next(w for w in handles.decode if w != wid)
-            if await h.preempt.remote("kv-3", "migrate", None, other):
+            if await h.preempt.remote(encode(PreemptCall("kv-3", PreemptMode.MIGRATE, None, other))):
                 holder, target = wid, other
                 ray.kill(handles.decode[other], no_restart=False)  # Ray starts it again
                 break
