@@ -174,7 +174,7 @@ class DecodeWorker:
         self._moved_to: dict[str, str] = {}  # migrated away -> its target (link samples)
         self.control_interval_s = control_interval_s
         self.sched = WorkerScheduler.with_limits(info, policy, costs, limits)
-        self._thread = EngineThread(f"decode-{info.worker_id}")
+        self._thread = EngineThread(f"decode-{info.worker_id}", engine.books)
         self._reqs: dict[str, _Req] = {}
         self._draining: set[str] = set()  # reservations whose transfer is ending
         self._tombstones: dict[str, float] = {}
@@ -218,14 +218,8 @@ class DecodeWorker:
         if msg.prefill_worker_id is None:
             kreq.block_hashes = tuple(compute_block_hashes(prompt, self.limits.block_size))
             return await self._dispatch_local(spec, kreq)
-        def reserve() -> tuple[list[int] | None, int]:
-            blocks = self.engine.reserve(rid, len(prompt), prompt_token_ids=prompt)
-            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
-
         try:
-            # One call: each call waits for the engine's running step, and a second one
-            # would queue behind the step the step loop submits in between.
-            blocks, num_cached = await self._thread.call(reserve)
+            blocks, num_cached = self._reserve(rid, len(prompt), prompt)
         except ValueError as e:  # longer than the model's context or the whole pool
             return DispatchAnswer(rid, False, self.engine.num_free_blocks,
                                   reason=f"invalid: {e}", fatal=True)
@@ -254,6 +248,17 @@ class DecodeWorker:
                                   fatal=fatal)
         self._wake.set()
         return DispatchAnswer(rid, True, self.engine.num_free_blocks, num_cached)
+
+    def _reserve(self, rid: str, num_tokens: int, tokens: list[int]
+                 ) -> tuple[list[int] | None, int]:
+        """Blocks for ``num_tokens`` of incoming KV (the cached prefix of ``tokens`` first) and
+        how many were cached, reserved here on the event loop under the engine's books: it
+        waits for the books (a step's bookkeeping, a short control call), never for the
+        model forward in flight, so a dispatch is answered within a few ms even while a
+        long decode step runs (issue 22 item 6)."""
+        with self.engine.books:
+            blocks = self.engine.reserve(rid, num_tokens, prompt_token_ids=tokens)
+            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
 
     async def _dispatch_local(self, spec: GenerationSpec, kreq: Request) -> DispatchAnswer:
         rid = spec.req_id
@@ -444,12 +449,8 @@ class DecodeWorker:
         inbound = Inbound(msg)
         tokens = list(inbound.token_ids)
 
-        def reserve() -> tuple[list[int] | None, int]:
-            blocks = self.engine.reserve(rid, msg.num_computed, prompt_token_ids=tokens)
-            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
-
         try:
-            blocks, num_cached = await self._thread.call(reserve)
+            blocks, num_cached = self._reserve(rid, msg.num_computed, tokens)
         except ValueError as e:
             return MigrateAnswer(rid, None, f"invalid: {e}")
         if blocks is None:

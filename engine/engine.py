@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engine.block_pool import BlockEvent, BlockPool
+from engine.books import BooksLock
 from engine.config import AttentionChoice, EngineConfig, check_device, resolve_attention
 from engine.errors import EngineSettingError, PromptTooLong
 from engine.grammar import GrammarCompiler, Matcher
@@ -121,6 +122,10 @@ class LLMEngine:
                 min(config.cuda_graph_max_batch, config.max_num_seqs), self.max_model_len)
         self._eos_token_ids = _eos_ids(model)
         self._requests: dict[str, EngineRequest] = {}
+        # The pool and the request table change under this lock (engine.books): the engine
+        # thread holds it for each call and a step lets it go while the model runs, so a
+        # reservation from another thread (``reserve``) need not wait for the step.
+        self.books = BooksLock()
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._pending: list[StepOutput] = []
@@ -358,7 +363,8 @@ class LLMEngine:
         if not decodes and not chunks:
             return outputs
         try:
-            sampled = self._forward_and_sample(decodes, chunks)
+            with self.books.released():
+                sampled = self._forward_and_sample(decodes, chunks)
         except Exception as exc:  # one request's fault must not stop the rest
             if len({id(self._group(req)) for req, _ in decodes + chunks}) == 1:
                 return outputs + [self._fail(decodes[0][0] if decodes else chunks[0][0], exc)]
@@ -437,7 +443,8 @@ class LLMEngine:
             groups.setdefault(id(self._group(item[0])), ([], []))[1].append(item)
         for ds, cs in groups.values():
             try:
-                sampled = self._forward_and_sample(ds, cs)
+                with self.books.released():
+                    sampled = self._forward_and_sample(ds, cs)
             except Exception as exc:  # this request is the one that fails
                 outputs.append(self._fail((ds or cs)[0][0], exc))
                 continue
@@ -753,7 +760,14 @@ class LLMEngine:
 
         With ``prompt_token_ids``, the prompt's cached prefix blocks are reused; they come first
         and ``num_reserved_cached_blocks(req_id)`` says how many (they need no transfer).
+        Safe from any thread (under ``books``): it waits at most for the books to be free,
+        never for a running model forward.
         """
+        with self.books:
+            return self._reserve(req_id, num_tokens, prompt_token_ids)
+
+    def _reserve(self, req_id: str, num_tokens: int, prompt_token_ids: Sequence[int] | None
+                 ) -> list[int] | None:
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in the engine")
         if num_tokens < 1:

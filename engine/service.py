@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.books import BooksLock
 from engine.grammar import Grammar
 from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
@@ -27,20 +28,35 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """Runs callables on one thread, in submission order."""
+    """Runs callables on one thread, in submission order; with ``books`` (the engine's
+    :class:`~engine.books.BooksLock`) each runs holding it, and a step lets it go while
+    the model runs, so that the engine's thread-safe calls (``LLMEngine.reserve``) made
+    from elsewhere wait for the books, not for the step."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, books: BooksLock | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._books = books
+
+    def _bound(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Callable[[], T]:
+        books = self._books
+        if books is None:
+            return functools.partial(fn, *args, **kwargs)
+
+        def run() -> T:
+            with books:
+                return fn(*args, **kwargs)
+
+        return run
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._pool, self._bound(fn, args, kwargs))
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Queue ``fn`` now (ahead of every call made after this returns) and give its
         result as a future: the caller may act on the queued call before it has run."""
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        return loop.run_in_executor(self._pool, self._bound(fn, args, kwargs))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
