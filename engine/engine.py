@@ -21,6 +21,7 @@ prefix waiting requests (``protect_prefixes``) ahead of plain LRU.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from engine.sampling import SamplingParams, random_seed
 from engine.swap_space import SwapSpace
 from scheduler.block_hashes import compute_block_hashes
 
+log = logging.getLogger(__name__)
 Scheduled = tuple[EngineRequest, SeqWork]
 
 
@@ -115,7 +117,15 @@ class LLMEngine:
         # stub engine of bench-control passes one that runs no model).
         self.runner = runner if runner is not None else ModelRunner(
             model, self.pool, use_kernel=config.native_kernels)
-        self.max_model_len = config.max_model_len or int(mc.max_position_embeddings)
+        # The longest sequence served: the model's context, and no longer than the whole
+        # pool holds (a request that grew past it could never be placed again; it ends
+        # with "length" there, as at the model's context).
+        self.model_max_len = config.max_model_len or int(mc.max_position_embeddings)
+        self.max_model_len = min(self.model_max_len, num_blocks * config.block_size)
+        if self.max_model_len < self.model_max_len:
+            log.info("max_model_len %d: the KV pool holds %d blocks of %d tokens (the model's "
+                     "context is %d)", self.max_model_len, num_blocks, config.block_size,
+                     self.model_max_len)
         if (runner is None and device.type == "cuda" and config.cuda_graph_max_batch > 0
                 and self.runner.uses_flex):
             self.runner.enable_decode_graphs(
@@ -251,8 +261,8 @@ class LLMEngine:
         return self._grammars.matcher(params.grammar)
 
     def _check_length(self, num_tokens: int) -> None:
-        if num_tokens >= self.max_model_len:
-            raise PromptTooLong(num_tokens, self.max_model_len - 1, "the model's context")
+        if num_tokens >= self.model_max_len:
+            raise PromptTooLong(num_tokens, self.model_max_len - 1, "the model's context")
         pool_tokens = self.pool.num_blocks * self.pool.block_size
         if num_tokens + 1 > pool_tokens:
             raise PromptTooLong(num_tokens, pool_tokens - 1, "the whole KV pool")

@@ -48,6 +48,10 @@ class Claims:
     def __init__(self, num_tiers: int) -> None:
         self.num_tiers = num_tiers
         self._by_worker: dict[str, list[_TierClaims]] = {}
+        # A dispatch took blocks on a worker where a claim it did not count (a less urgent
+        # tier's, or its own tier's for a larger need) holds some: that claim was sized by
+        # what was free before, and may now wrongly keep a fitting request out.
+        self.passed = False
 
     def add(self, worker_id: str, tier: int, need: int, blocks: int) -> None:
         tiers = self._by_worker.get(worker_id)
@@ -61,6 +65,14 @@ class Claims:
         if tiers is None:
             return 0
         return sum(tiers[t].total for t in range(tier)) + tiers[tier].up_to(need)
+
+    def note_dispatch(self, worker_id: str, tier: int, need: int) -> None:
+        """A request of ``tier`` needing ``need`` was dispatched to the worker."""
+        tiers = self._by_worker.get(worker_id)
+        if tiers is None or self.passed:
+            return
+        self.passed = (tiers[tier].total > tiers[tier].up_to(need)
+                       or any(tiers[t].total for t in range(tier + 1, self.num_tiers)))
 
     def entries(self, worker_id: str) -> list[tuple[int, int, int]]:
         """(tier, need, blocks) of every claim on the worker (for tests and stats)."""

@@ -39,7 +39,7 @@ optional observer (metrics, traces, "why was my request late").
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -625,6 +625,8 @@ class ClusterScheduler:
                 self.queue.take(now, recording(accept, offers))
                 self.on_pick(Pick(PickSite.DISPATCH, "", now, tuple(offers),
                                   unconsidered(candidates, offers)))
+            if blocked.passed and self.policy.work_conserving:
+                self._fill(now, dispatches)
         self._watch_conservation(now)
         aborts, self._aborts = self._aborts, []
         preempts, self._preempts = self._preempts, []
@@ -642,19 +644,42 @@ class ClusterScheduler:
         Independent of how ``plan`` walks its queue: requests are taken by (tier, need),
         and each that does not fit claims what is free for it on the worker with the most
         (as ``_route`` does for a request it cannot place)."""
+        return [(r, w.worker_id) for r, w in self._fits(Claims(self.tiers.num_tiers))
+                if w is not None]
+
+    def _fill(self, now: float, dispatches: list[DispatchOrder]) -> None:
+        """After a plan's walk in which a dispatch took blocks that a claim it passed (a
+        less urgent tier's, or its own tier's for a larger need) had counted on: that claim
+        may now hold a worker that has no room for it while another has, and block a
+        request that fits. Place, one at a time, what the independent look
+        (``unplaced_fits``) finds fitting, under the claims that look made before it."""
+        for _ in range(len(self.queue)):
+            claims = Claims(self.tiers.num_tiers)
+            first = next(((r, w) for r, w in self._fits(claims) if w is not None), None)
+            if first is None:
+                return
+            order = self._route(first[0], now, claims)
+            if order is None:
+                return
+            dispatches.append(order)
+            self._queued.pop(first[0].req_id)
+            self.queue.remove(first[0].req_id)
+
+    def _fits(self, claims: Claims) -> Iterator[tuple[Request, WorkerSlot | None]]:
+        """The waiting requests by (tier, need), each with a decode worker it fits (None:
+        none; it then claims what is free for it on the worker with the most, in
+        ``claims``, before the next is looked at)."""
         self._fresh_views()
         waiting = [r for r in self.queue.requests() if r.state is S.QUEUED
                    and r.req_id in self.live and not self.live[r.req_id].is_dispatching]
         if not waiting:
-            return []
+            return
         decode = self._decode_slots()
         remote = self._prefill_slots() if self.mode is not PoolMode.AGGREGATED else []
         if not decode or (self.mode is PoolMode.DISAGGREGATED and not remote):
-            return []
+            return
         bs = self.block_size
-        claims = Claims(self.tiers.num_tiers)
-        out = []
-        # A worker's reserve for a tier does not depend on its free blocks: once per plan.
+        # A worker's reserve for a tier does not depend on its free blocks: once per walk.
         reserves: dict[tuple[str, int], int] = {}
         for r in sorted(waiting, key=lambda r: (r.tier, r.num_context_tokens)):
             need = -(-(r.num_context_tokens + 1) // bs)
@@ -675,11 +700,9 @@ class ClusterScheduler:
                 sites = remote if self.mode is PoolMode.DISAGGREGATED else [*remote, w]
                 if horizon is None or any(self._backlog(p)[0] <= horizon for p in sites):
                     fits = w
-            if fits is not None:
-                out.append((r, fits.worker_id))
-                continue
-            self._claim(r.tier, need, room, claims)
-        return out
+            if fits is None:
+                self._claim(r.tier, need, room, claims)
+            yield r, fits
 
     def _watch_conservation(self, now: float) -> None:
         """The runtime side of the invariant: per tier, the seconds past one planning
@@ -828,6 +851,7 @@ class ClusterScheduler:
         target = prefill_slot or dslot
         if horizon is not None and self._backlog(target)[0] > horizon:
             return None
+        blocked.note_dispatch(dslot.worker_id, req.tier, need)
         target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
         self._backlogs.pop(target.worker_id, None)
         self._dviews.pop(dslot.worker_id, None)

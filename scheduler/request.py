@@ -209,6 +209,13 @@ class Request:
         n = self.num_context_tokens + extra_tokens
         return -(-n // block_size)
 
+    def reached_length(self, max_model_len: int | None = None) -> bool:
+        """It ends now with FINISHED_LENGTH: its output reached its budget, or its sequence
+        the longest one a worker serves (``max_model_len``, vLLM's meaning; no longer than a
+        worker's KV holds, or a request that outgrew it could never be placed again)."""
+        return self.num_output_tokens >= self.max_new_tokens or (
+            max_model_len is not None and self.num_context_tokens >= max_model_len)
+
 
 def transition(
     req: Request,

@@ -232,6 +232,11 @@ class World:
     # A prefix index changed in this event (only pinning evicts): check the pins.
     _prefix_changed: bool = False
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence a worker serves: what its KV holds (the engine's rule)."""
+        return self.scope.blocks_per_worker * self.scope.block_size
+
     @classmethod
     def initial(cls, scope: Scope, policy_factory: PolicyFactory | None = None,
                 account_factory: AccountFactory | None = None) -> World:
@@ -593,7 +598,7 @@ class World:
             events.append(ReqEvent(rid, kind, end))
         for rid in (*done, *plan.decodes):
             lr = ws.local.get(rid)
-            if lr is not None and lr.req.num_output_tokens >= lr.req.max_new_tokens:
+            if lr is not None and lr.req.reached_length(self.max_model_len):
                 self._finish(w, rid, E.FINISHED_LENGTH, end, events)
         self._report(w, end, events)
         orders, self.deferred[w] = self.deferred[w], []

@@ -271,3 +271,22 @@ def test_run_plan_runs_exactly_the_plan_and_matches_the_engines_own_steps(
     # Unknown ids, a decode of a finished request and an empty chunk are refused.
     _, refused = eng.run_plan(["a", "nope"], [("b", 0), ("zz", 5)])
     assert refused == ["a", "nope", "b", "zz"]
+
+
+def test_a_sequence_ends_with_length_where_the_whole_pool_is_full(tiny_checkpoints) -> None:
+    """The longest sequence served is no longer than the pool holds (4 blocks of 16
+    tokens here): a request that would outgrow it ends with "length" there, as at the
+    model's context, rather than being preempted and never placed again (the
+    checker's starvation counterexamples of issue 23)."""
+    engine = make_engine(tiny_checkpoints["llama"], num_kv_blocks=4, max_model_len=200)
+    assert engine.model_max_len == 200 and engine.max_model_len == 64
+    engine.add_request("r", list(range(1, 41)), SamplingParams(max_tokens=100, ignore_eos=True))
+    outs = []
+    for _ in range(200):
+        outs += engine.step()
+        if not engine.has_unfinished():
+            break
+    last = [o for o in outs if o.req_id == "r"][-1]
+    assert last.finished and last.finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outs if o.req_id == "r") == 64 - 40
+    assert engine.num_free_blocks == engine.num_total_blocks

@@ -35,3 +35,22 @@ def test_equal_needs_count_each_claim_once() -> None:
     assert c.held("a", 1, 5) == 17
     assert c.held("a", 1, 4) == 4
     assert c.held("a", 0, 100) == 4
+
+
+def test_a_dispatch_that_passes_a_claim_is_noted() -> None:
+    """A dispatch of tier 1 needing 4 passes a tier-1 claim needing 16 and any tier-2
+    claim on its worker (those were sized by the blocks it now took); a more urgent or a
+    smaller own-tier claim, or another worker's, is not passed."""
+    c = Claims(3)
+    c.add("w0", 0, 8, 8)
+    c.add("w0", 1, 2, 2)
+    c.add("w1", 1, 16, 10)
+    c.note_dispatch("w0", 1, 4)
+    c.note_dispatch("w2", 1, 4)
+    assert not c.passed
+    c.note_dispatch("w1", 1, 4)
+    assert c.passed
+    d = Claims(3)
+    d.add("w0", 2, 3, 3)
+    d.note_dispatch("w0", 1, 20)
+    assert d.passed

@@ -52,6 +52,24 @@ def test_random_workloads_hold_every_hard_invariant() -> None:
     assert rate is not None and ci is not None and ci[0] <= rate <= ci[1]
 
 
+@pytest.mark.parametrize("seed", [
+    11000000417,  # a tier-0 prompt of 302 tokens and 85 to come on workers of 384 tokens
+    11000001441,  # the same shape, retried after a worker failure
+    11000011157,  # a claim sized before a same-tier dispatch kept a tier-3 fit out
+])
+def test_the_counterexamples_of_check_trajectories_20000_hold_now(seed: int) -> None:
+    """Issue 23 item 7, each replayed standalone from its seed (``run_one``): the first
+    two starved (5.05 s against 5 s): the request outgrew every worker's KV, its own
+    worker's KV pressure recomputed it, and it could never be placed again; a sequence
+    now ends with "length" at the longest a worker holds, as the engine does. The third
+    broke work conservation: a tier-1 request claimed the free blocks of the worker with
+    the most room, a smaller tier-1 request then took them, and the stale claim kept a
+    tier-3 request out of the blocks left; the plan now places what fits after such a
+    dispatch."""
+    out = run_one(seed, trajectory_scope(), WorkloadSpec())
+    assert out.violations == []
+
+
 def test_parallel_run_equals_sequential() -> None:
     seq = run_trajectories(24, seed=1, processes=1)
     par = run_trajectories(24, seed=1, processes=2, parallel_min=1)
