@@ -192,14 +192,25 @@ class PrefixMirror:
             self.apply(worker_id, BlockRemoved([h]))
 
     def match_lens(self, hashes: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
-        """Leading blocks of ``hashes`` each worker holds."""
-        out = {}
-        for w in worker_ids:
-            n = 0
-            for h in hashes:
-                s = self._holders.get(h)
-                if s is None or w not in s:
-                    break
-                n += 1
+        """Leading blocks of ``hashes`` each worker holds. One walk down the prompt with
+        the workers still matching (a walk per worker cost workers x prefix: the most of a
+        placement, for long prompts that several workers hold)."""
+        out = dict.fromkeys(worker_ids, 0)
+        alive = set(out)
+        holders = self._holders
+        n = 0
+        for h in hashes:
+            s = holders.get(h)
+            if s is None:
+                break
+            if not alive <= s:
+                still = alive & s
+                for w in alive - still:
+                    out[w] = n
+                alive = still
+                if not alive:
+                    return out
+            n += 1
+        for w in alive:
             out[w] = n
         return out

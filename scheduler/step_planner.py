@@ -389,11 +389,23 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
     batch = decodes[:limit]
     tight: float | None = None
     ctx = 0
-    for d in batch:  # one pass: the tightest target and the attended context
+    now = view.now
+    # One pass: the attended context, the tightest TPOT target, and the pace: the time
+    # left before the furthest-behind decode with a target falls behind its mean TPOT.
+    pace: float | None = None
+    for d in batch:
         ctx += d.num_computed + 1
-        t = tpot_by_tier[d.req.tier]
-        if t is not None and (tight is None or t < tight):
-            tight = t
+        r = d.req
+        t = tpot_by_tier[r.tier]
+        if t is not None:
+            if tight is None or t < tight:
+                tight = t
+            ft = r.first_token_time
+            if ft is not None:
+                n = r.num_output_tokens
+                left = ft + t * (n if n > 1 else 1) - now
+                if pace is None or left < pace:
+                    pace = left
     all_shape = StepShape(num_decodes=len(batch), decode_context=ctx)
     if tight is not None and costs.step_s(all_shape) > tpot_margin * tight:
         # Too many for the tightest target: most urgent first, each joins while the
@@ -422,6 +434,7 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
             ctx += d.num_computed + 1
         all_shape = StepShape(num_decodes=n, decode_context=ctx)
         view.record(PickSite.DECODE, offers, [d.req for d in decodes[len(offers):]])
+        pace = _pace(batch, tpot_by_tier, view.now)
     elif decodes and view.picks is not None:
         # All of them run in the same step; recorded in policy order (what the tier-order
         # check reads: none was passed over for another).
@@ -442,14 +455,6 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
         # longer step. The leading most-urgent chunk may take what every decode in the
         # step can absorb (at least one normal step); lower tiers' chunks keep the
         # per-step bound.
-        pace: float | None = None
-        now = view.now
-        for d in batch:
-            t = tpot_by_tier[d.req.tier]
-            ft = d.req.first_token_time
-            if t is not None and ft is not None:
-                left = ft + t * max(d.req.num_output_tokens, 1) - now
-                pace = left if pace is None else min(pace, left)
         tpot_bound = tpot_margin * max(tight, pace if pace is not None else 0.0)
     chunks = _take_chunks(view, budget, seconds, base, free, room, MIN_CHUNK_TOKENS,
                           uncapped=None if uncapped_tier is None else (lambda r: tpot_bound))
@@ -458,8 +463,22 @@ def compose_slo_step(view: StepView, policy: SchedulingPolicy, *, step_cap_s: fl
         c = view.local[rid].num_computed
         shape = StepShape(shape.prefill_tokens + n, shape.prefill_attention + n * (c + n / 2),
                           shape.num_decodes, shape.decode_context)
-    return StepPlan(tuple(d.req_id for d in batch), tuple(chunks), tuple(victims), tuple(swap),
-                    _predicted_s(view, shape, batch) if chunks or batch else 0.0)
+    return StepPlan(tuple([d.req.req_id for d in batch]), tuple(chunks), tuple(victims),
+                    tuple(swap), _predicted_s(view, shape, batch) if chunks or batch else 0.0)
+
+
+def _pace(batch: Sequence[LocalRequest], tpot_by_tier: Sequence[float | None],
+          now: float) -> float | None:
+    """The time left before the furthest-behind decode of ``batch`` with a TPOT target
+    falls behind its mean pace (None: no such decode has its first token yet)."""
+    pace: float | None = None
+    for d in batch:
+        t = tpot_by_tier[d.req.tier]
+        ft = d.req.first_token_time
+        if t is not None and ft is not None:
+            left = ft + t * max(d.req.num_output_tokens, 1) - now
+            pace = left if pace is None else min(pace, left)
+    return pace
 
 
 @dataclass(frozen=True, slots=True)
