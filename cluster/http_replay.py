@@ -179,7 +179,7 @@ def objective_line(summary: dict[str, Any]) -> str:
 
 
 WORK_CONSERVATION = "tierserve:work_conservation_seconds_total"
-TTFT_PARTS = "tierserve:ttft_part_seconds"
+TTFT_PART_FAMILY = "tierserve:ttft_part_seconds"
 
 
 def parse_work_conservation(text: str) -> list[float] | None:
@@ -205,26 +205,14 @@ def parse_ttft_parts(text: str) -> dict[str, dict[str, dict[str, Any]]] | None:
     ``MetricsRecorder.ttft_parts`` (None where it has no such series: a peer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, dict[str, dict[str, Any]]] = {}
+    from router.metrics import hop_histograms
+
     try:
-        for fam in text_string_to_metric_families(text):
-            if fam.name != TTFT_PARTS:
-                continue
-            for smp in fam.samples:
-                tier, part = smp.labels.get("tier", ""), smp.labels.get("part", "")
-                h = out.setdefault(tier, {}).setdefault(part,
-                                                         {"sum": 0.0, "count": 0, "buckets": []})
-                if smp.name.endswith("_bucket"):
-                    le = float(smp.labels["le"])
-                    if le != float("inf"):
-                        h["buckets"].append([le, int(smp.value)])
-                elif smp.name.endswith("_sum"):
-                    h["sum"] = float(smp.value)
-                elif smp.name.endswith("_count"):
-                    h["count"] = int(smp.value)
+        samples = [s for fam in text_string_to_metric_families(text)
+                   if fam.name == TTFT_PART_FAMILY for s in fam.samples]
     except ValueError:  # not Prometheus text
         return None
-    return out or None
+    return hop_histograms(samples) or None
 
 
 async def fetch_counters(client: Any, url: str) -> dict[str, Any]:

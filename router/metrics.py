@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -290,21 +290,7 @@ class MetricsRecorder:
         """The hop histograms now, per tier and part: ``{"sum", "count", "buckets":
         [[upper bound, cumulative count], ...]}`` (plain types; :func:`parts_summary`
         reads two of these)."""
-        out: dict[str, dict[str, dict[str, object]]] = {}
-        for fam in self.ttft_part.collect():
-            for smp in fam.samples:
-                tier, part = smp.labels["tier"], smp.labels["part"]
-                h = out.setdefault(tier, {}).setdefault(part,
-                                                         {"sum": 0.0, "count": 0, "buckets": []})
-                if smp.name.endswith("_bucket"):
-                    le = float(smp.labels["le"])
-                    if math.isfinite(le):
-                        h["buckets"].append([le, int(smp.value)])  # type: ignore[union-attr]
-                elif smp.name.endswith("_sum"):
-                    h["sum"] = float(smp.value)
-                elif smp.name.endswith("_count"):
-                    h["count"] = int(smp.value)
-        return out
+        return hop_histograms(s for fam in self.ttft_part.collect() for s in fam.samples)
 
     def on_prefix_lookup(self, num_queried_blocks: int, num_hit_blocks: int) -> None:
         if not 0 <= num_hit_blocks <= num_queried_blocks:
@@ -376,6 +362,25 @@ class MetricsRecorder:
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (serve with CONTENT_TYPE)."""
         return generate_latest(self.registry)
+
+
+def hop_histograms(samples: Iterable[Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The samples of ``tierserve:ttft_part_seconds`` (from a registry, or parsed from a
+    ``/metrics`` answer: both have ``name``, ``labels`` and ``value``) as
+    :meth:`MetricsRecorder.ttft_parts` gives them."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for smp in samples:
+        h = out.setdefault(smp.labels.get("tier", ""), {}).setdefault(
+            smp.labels.get("part", ""), {"sum": 0.0, "count": 0, "buckets": []})
+        if smp.name.endswith("_bucket"):
+            le = float(smp.labels["le"])
+            if math.isfinite(le):
+                h["buckets"].append([le, int(smp.value)])
+        elif smp.name.endswith("_sum"):
+            h["sum"] = float(smp.value)
+        elif smp.name.endswith("_count"):
+            h["count"] = int(smp.value)
+    return out
 
 
 def histogram_quantile(q: float, buckets: Sequence[Sequence[float]], count: int) -> float | None:

@@ -637,9 +637,10 @@ class ClusterScheduler:
     def unplaced_fits(self) -> list[tuple[Request, str]]:
         """Waiting requests that the current view says fit a decode worker (its free
         blocks, less the blocks its preempted decodes and more urgent waiting requests
-        claim there (``_usable``), less the policy's ``decode_reserve``) with a prefill site within the policy's dispatch
-        horizon, each with that worker: right after a plan of a work-conserving policy
-        there must be none (``scheduler.invariants.check_work_conservation``).
+        claim there (``_usable``), less the policy's ``decode_reserve``) with a prefill
+        site within the policy's dispatch horizon, each with that worker: right after a
+        plan of a work-conserving policy there must be none
+        (``scheduler.invariants.check_work_conservation``).
 
         Independent of how ``plan`` walks its queue: requests are taken by (tier, need),
         and each that does not fit claims what is free for it on the worker with the most
