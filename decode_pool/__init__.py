@@ -1,4 +1,4 @@
-"""The decode worker pool (lifecycle in decode_pool/worker.py, KV moves in kv_moves.py).
+"""The decode worker pool: a thin applier of :class:`scheduler.worker_core.DecodeCore`.
 
     from decode_pool.worker import DecodeWorker
     DecodeWorker(info, engine, consumer, policy, costs, limits, report, start_prefill)

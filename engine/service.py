@@ -21,8 +21,10 @@ from engine.grammar import Grammar
 from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
+from scheduler.kv_ledger import KVCounters
 from scheduler.messages import BlockEvent, GenerationSpec, TokenDelta
 from scheduler.messages import TokenLogprobs as WireLogprobs
+from scheduler.worker_core import StepResult
 
 T = TypeVar("T")
 
@@ -87,6 +89,34 @@ def token_delta(out: StepOutput, finish: str | None = None) -> TokenDelta:
     return TokenDelta(out.req_id, tuple(out.new_token_ids), finish, None, out.seq,
                       wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs),
                       out.num_cached_tokens if out.prefill_done else 0)
+
+
+def step_result(out: StepOutput) -> StepResult:
+    """One engine output as the worker core takes it (its finish as the router names it)."""
+    if out.error is not None:
+        return StepResult(out.req_id, error=str(out.error))
+    finish = out.finish_reason.value if out.finished and out.finish_reason else None
+    if out.finished and finish is None:
+        finish = "stop"
+    delta = token_delta(out, finish) if out.new_token_ids or finish else None
+    return StepResult(out.req_id, delta, finish, bool(out.request_finished))
+
+
+def kv_counters(engine: Any) -> KVCounters:
+    """The engine's swap space and prefix-cache figures a worker report carries."""
+    swap = engine.swap
+    return KVCounters(swap.capacity, swap.num_used, swap.num_peak,
+                      engine.num_prefix_query_blocks, engine.num_prefix_hit_blocks)
+
+
+def shared_prefix_blocks(engine: Any, block_ids: list[int]) -> int:
+    """Leading blocks another request holds too (shared prefix blocks come first)."""
+    n = 0
+    for b in block_ids:
+        if engine.pool.ref_count(b) < 2:
+            break
+        n += 1
+    return n
 
 
 def bytes_per_block(engine: Any) -> int:

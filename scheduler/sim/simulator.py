@@ -319,14 +319,13 @@ class Simulator:
             dw = self.by_id[d.decode_worker_id]
             assert isinstance(dw, DecodeWorker)
             ok = dw.reserve(Held(self._wire_copy(nr), job.num_output_tokens, job.is_length),
-                            d.num_blocks)
+                            d.num_blocks, d.prefill_worker_id, now)
             self.dispatch_log.append((now, d.req_id, d.decode_worker_id, d.prefill_worker_id))
             self.cs.on_dispatch_result(d.req_id, ok, now, num_free_blocks=dw.account.num_free)
             self._kicked = True
             if not ok:
                 continue
             if d.prefill_worker_id is None:
-                dw.start_local_prefill(d.req_id, now)
                 self._cut(dw)
                 continue
             pw = self.by_id[d.prefill_worker_id]

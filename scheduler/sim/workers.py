@@ -47,13 +47,21 @@ from dataclasses import dataclass, replace
 
 from scheduler.cluster_scheduler import PreemptOrder
 from scheduler.kv import KVBlockAccount
-from scheduler.messages import BlockEvent, ReqEvent, RunningReq, WorkerEvent, WorkerReport
+from scheduler.messages import (
+    BlockEvent,
+    Prefilled,
+    ReqEvent,
+    RunningReq,
+    WorkerEvent,
+    WorkerReport,
+)
 from scheduler.preemption import PreemptMode
 from scheduler.prefix_index import PrefixIndex
 from scheduler.request import Decision, IllegalTransition, Request, RequestState, transition
 from scheduler.sim.costmodel import CostModel
 from scheduler.step_planner import LocalRequest, StepPlan, WorkerScheduler
 from scheduler.topology import TopologyClass, WorkerInfo
+from scheduler.worker_core import DecodeCore, KVVerdict, Release, StepResult, eviction_order
 
 S = RequestState
 D = Decision
@@ -159,6 +167,8 @@ class SimWorker:
         local = self.ws.local
         held = self.held
         complete = self.complete_due
+        for ev in self.events:
+            self.dirty[ev.req_id] = None
         ids = (dict.fromkeys([*held, *local]) if complete
                else [rid for rid in self.dirty if rid in held or rid in local])
         for rid in ids:
@@ -173,7 +183,7 @@ class SimWorker:
         rep = WorkerReport(self.worker_id, self.account.num_free, self.account.num_total_blocks,
                            tuple(self.events), tuple(self.block_events), (), tuple(running),
                            self.ws.costs.to_tuple(), self.ws.num_steps, is_complete=complete)
-        self.events = []
+        self.events.clear()
         self.block_events = []
         self.dirty = {}
         self.report_due = False
@@ -420,25 +430,30 @@ class _ReportingIndex(PrefixIndex):
 
 
 class DecodeWorker(SimWorker):
-    """A decode-pool worker (in ``aggregated``/``auto`` mode it also prefills)."""
+    """A decode-pool worker (in ``aggregated``/``auto`` mode it also prefills). Its
+    requests' lives are decided by the :class:`~scheduler.worker_core.DecodeCore` a live
+    decode worker runs; this class is the mechanism (a block account for the engine's
+    pool, the cost model for its clock, the trace's output length for the model's EOS)."""
 
     def __init__(self, info: WorkerInfo, ws: WorkerScheduler, cost: CostModel) -> None:
         super().__init__(info, ws, cost, decodes_here=True)
+        self.core = DecodeCore(info.worker_id, ws)
+        self.events = self.core.events  # the core says what happened
         self.orders: list[PreemptOrder] = []
 
-    def reserve(self, held: Held, num_blocks: int) -> bool:
+    def reserve(self, held: Held, num_blocks: int, source: str | None, now: float) -> bool:
+        """The dispatch: its blocks, for KV from ``source`` (None: prefilled here)."""
         rid = held.req.req_id
         if not self.account.allocate(rid, num_blocks):
             return False
         self.ws.release_hold(rid)
         self.held[rid] = held
+        if source is None:
+            self.core.prefill_here(held.req, num_blocks, 0, now)
+        else:
+            self.core.receive(held.req, (), source, now, num_blocks=num_blocks)
+        self.dirty[rid] = None
         return True
-
-    def start_local_prefill(self, req_id: str, now: float) -> None:
-        h = self.held[req_id]
-        lr = self.ws.add_prefill(h.req, h.req.prompt_len, now)
-        lr.num_blocks = self.account.blocks_of(req_id)  # reserved at the dispatch
-        self.dirty[req_id] = None
 
     def prefilled(self, req_id: str, now: float) -> bool:
         """The first token came from the prefill worker; True when that ended the request
@@ -446,21 +461,18 @@ class DecodeWorker(SimWorker):
         h = self.held.get(req_id)
         if h is None:
             return True
-        move(h.req, S.TRANSFERRING, D.START_TRANSFER, "prefilled", now)
-        h.req.first_token_time = now
-        h.req.num_output_tokens = 1
-        if h.num_output_target <= 1:
-            self._finish(req_id, now)
+        last = h.num_output_target <= 1
+        self.core.first_token(Prefilled(req_id, 0, ("length" if h.is_length else "stop")
+                                        if last else None, now), now)
+        if self.core.kv_progress(req_id, None, now) is KVVerdict.ENDED:
+            self.core.drained(req_id, now)
+            self._release(req_id)
             return True
         return False
 
     def kv_arrived(self, req_id: str, now: float) -> None:
-        h = self.held.get(req_id)
-        if h is None:
-            return
-        move(h.req, S.DECODING, D.START_DECODE, "kv_arrived", now)
-        self.ws.add_decode(h.req, h.req.prompt_len, self.account.blocks_of(req_id))
-        self._event(req_id, E.DECODE_START, now)
+        if self.core.kv_progress(req_id, True, now) is KVVerdict.JOIN:
+            self.core.joined(req_id, now)
 
     def order(self, p: PreemptOrder) -> None:
         self.orders.append(p)
@@ -475,64 +487,54 @@ class DecodeWorker(SimWorker):
     def _before_plan(self, now: float) -> None:
         orders, self.orders = self.orders, []
         for p in orders:
-            before = self.account.num_free
             self.preempt(p.req_id, p.mode, p.for_req_id, now)
-            freed = self.account.num_free - before
-            if freed > 0 and p.for_req_id is not None:
-                self.ws.hold_for(p.for_req_id, freed, now)
 
     def finish_step(self, now: float) -> list[str]:
         done = super().finish_step(now)
         held = self.held
-        for rid in self.last_plan.decodes:
+        results = []
+        for rid in [*self.last_plan.decodes, *done]:
             h = held.get(rid)
-            if h is not None and h.req.num_output_tokens >= h.num_output_target:
-                self._finish(rid, now)
-        for rid in done:
-            h = held[rid]
-            move(h.req, S.DECODING, D.START_DECODE, "prefill_done", now)
-            self._event(rid, E.RESUMED_RECOMPUTE if h.is_recompute else E.PREFILL_DONE, now)
-            h.is_recompute = False
-            if h.req.num_output_tokens >= h.num_output_target:
-                self._finish(rid, now)
+            ended = h is not None and h.req.num_output_tokens >= h.num_output_target
+            results.append(StepResult(rid, finish=("length" if h.is_length else "stop")
+                                      if ended and h is not None else None,
+                                      request_finished=ended))
+        for rid in self.core.outputs(results, set(done), now):
+            self._release(rid)
         return done
 
-    def _finish(self, req_id: str, now: float) -> None:
-        h = self.held.pop(req_id)
+    def _release(self, req_id: str) -> None:
+        self.held.pop(req_id, None)
         self.account.release(req_id)
-        self.ws.remove(req_id)
-        self._event(req_id, E.FINISHED_LENGTH if h.is_length else E.FINISHED_STOP, now)
+        self.dirty[req_id] = None
 
     def preempt(self, req_id: str, mode: PreemptMode, for_req_id: str | None,
                 now: float) -> None:
-        lr = self.ws.decoding.get(req_id)
-        if lr is None:
-            if for_req_id is not None:
+        # The simulator moves no KV between workers: a migration is a recompute here.
+        mode = mode if mode is PreemptMode.SWAP else PreemptMode.RECOMPUTE
+        v = self.core.preempt_order(req_id, mode, None)
+        if v.ok is not None:
+            if not v.ok and for_req_id is not None:
                 self.refused_orders.append(req_id)  # the cluster hears: its need stands
             return  # not decoding here any more (finished, preempted, never arrived)
-        req = lr.req
-        swap = mode is PreemptMode.SWAP
-        why = f"preempt_for:{for_req_id}" if for_req_id else "kv_pressure"
-        move(req, S.PREEMPTING, D.PREEMPT_SWAP if swap else D.PREEMPT_RECOMPUTE, why, now)
-        move(req, S.PREEMPTED, D.PREEMPT_DONE, why, now)
+        lr = self.ws.local[req_id]
+        before = self.account.num_free
         self.account.release(req_id)
-        if swap:
-            self.ws.swap_out(req_id)
-            self._event(req_id, E.PREEMPTED_SWAP, now, for_req_id)
-            return
-        # Recompute here: prompt and output prefilled again, then the next token.
-        self.ws.recompute(req_id, now)
-        self.held[req_id].is_recompute = True
-        self._event(req_id, E.PREEMPTED_RECOMPUTE, now, for_req_id)
+        self.core.evicted(req_id, eviction_order(mode, False)[0], for_req_id, now,
+                          num_blocks=lr.num_blocks, num_freed=self.account.num_free - before)
+        self.dirty[req_id] = None
+
+    def drop(self, req_id: str, now: float) -> None:
+        if self.core.abort(req_id, now) is Release.END_TRANSFER:
+            self.core.drained(req_id, now)  # no transfer runs into a simulated reservation
+        super().drop(req_id, now)
 
     def _swap_in(self, req_id: str, now: float) -> float:
-        lr = self.ws.swapped[req_id]
-        n = lr.num_blocks
+        n = self.ws.swapped[req_id].num_blocks
         if not self.account.allocate(req_id, n):
             self.num_mechanism_refusals += 1
             return 0.0
-        self.ws.swapped_in(req_id, n)
-        move(lr.req, S.DECODING, D.RESUME_SWAP_IN, "swap_in", now)
-        self._event(req_id, E.RESUMED_SWAP, now)
-        return self.cost.links.swap_s(n)
-
+        seconds = self.cost.links.swap_s(n)
+        self.core.swapped_in(req_id, n, seconds, now)
+        self.dirty[req_id] = None
+        return seconds

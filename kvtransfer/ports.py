@@ -1,0 +1,37 @@
+"""The KV plane as the worker pools drive it: :class:`KVReceiver` (a decode worker's
+consumer) and :class:`KVSender` (a prefill worker's, or a migrating decode worker's,
+producer). Protocols, so a pool's unit test can stand a fake in and the type checker
+holds the pool to the calls :class:`~kvtransfer.consumer.KVConsumer` and
+:class:`~kvtransfer.producer.KVProducer` answer. Every call here returns at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvtransfer.state import TransferStats, TransferStatus
+
+
+class _Transfers(Protocol):
+    def poll(self, req_id: str) -> TransferStatus | None: ...
+
+    def abort(self, req_id: str) -> bool: ...
+
+    def forget(self, req_id: str) -> TransferStatus | None: ...
+
+    def drain_stats(self) -> list[TransferStats]: ...
+
+
+class KVReceiver(_Transfers, Protocol):
+    def expect(self, req_id: str, block_ids: Sequence[int], present: Sequence[int] = ()
+               ) -> Any: ...  # the ticket the sender needs
+
+
+class KVSender(_Transfers, Protocol):
+    def begin(self, ticket: Any) -> None: ...
+
+    def push(self, req_id: str, src_block_ids: Sequence[int],
+             first_position: int | None = None) -> None: ...
+
+    def keepalive(self, req_id: str) -> bool: ...
