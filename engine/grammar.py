@@ -7,7 +7,7 @@ triton and apache-tvm-ffi into a CPU project; it compiles a grammar lazily (no a
 index over the vocabulary, which is what makes outlines-core slow to start on a large JSON
 schema); and a batch-16 mask (filled from 16 matchers and applied) costs about 1 % of a decode
 step of SmolLM2-135M on CPU, under the 10 % the issue allows (``python -m
-engine.bench_sampling`` measures it; figures in the README). JSON Schema, regular
+bench.engine_sampling`` measures it; figures in the README). JSON Schema, regular
 expressions, choices and Lark grammars all go through the same matcher.
 
 * :class:`Grammar` is what a request asks for (kind and text); it crosses processes.

@@ -135,7 +135,7 @@ Testing: ``kvtransfer.testing.PeerProcess`` runs an endpoint in a spawned proces
 msgpack commands; ``MockBackend(MockHub())`` runs the same endpoints in one process;
 ``DistBackend(frames=False)`` runs gloo through the NCCL-style store-queue path.
 
-CLI: ``tierserve bench-transfer --json OUT`` (kvtransfer.bench; figures in kvtransfer/README.md).
+CLI: ``tierserve bench-transfer --json OUT`` (bench.transfer; figures in kvtransfer/README.md).
 """
 
 from __future__ import annotations

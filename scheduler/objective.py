@@ -12,7 +12,7 @@ figures the reports pass in already count a rejection (HTTP 429 or the kernel's 
 an error and a client timeout as a miss, because each divides the requests that met every
 target of their tier by *all* of that tier's requests:
 
-- ``cluster.http_replay.summarize`` (``tierserve bench``, ``bench --peer``, ``bench_compare``,
+- ``bench.http_replay.summarize`` (``tierserve bench``, ``bench --peer``, ``bench.compare``,
   ``bench-pressure``): ``met / len(mine)``, where ``slo_met`` is False for an outcome that is
   not ``ok`` (429, any other error, ``timeout``, no tokens);
 - ``scheduler.sim.metrics.summarize`` (``tierserve simulate``): ``attained / total``, where

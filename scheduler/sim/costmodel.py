@@ -102,7 +102,7 @@ H200_LLAMA3_8B = Profile(
 # on CPUs with native bf16): KV per token = 2 x 30 x 3 x 64 x 2 bytes = 23,040 bytes,
 # weights 0.27 GB. Calibrated on the 2-core development machine (one torch thread
 # per worker, the cluster's setting) with `tierserve calibrate --json calib.json`
-# (engine/calibrate.py, 2026-11-29; thread CPU time, so other jobs do not count):
+# (bench/calibrate.py, 2026-11-29; thread CPU time, so other jobs do not count):
 # prefill of one request is 108 ms + flops / 400 GFLOP/s (64 to 1,024 new tokens:
 # 104 to 829 ms); a decode step is 22 ms + max(bytes read / 5.2 GB/s, compute)
 # (measured: batch 1 at 128 tokens 60 ms, batch 32 at 1,024 tokens 185 ms; the fit is

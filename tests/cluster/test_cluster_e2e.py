@@ -200,7 +200,7 @@ def test_requests_of_a_router_that_never_reads_free_their_blocks_without_any_abo
 def test_bench_replays_a_trace_over_http(cluster, tmp_path) -> None:
     import argparse
 
-    from cluster import bench_http
+    from bench import endpoint
 
     trace = tmp_path / "azure.csv"
     rows = [f"2023-11-16 18:15:{s:02d}.{k}000000,{40 + 97 * k % 900},{5 + 13 * k % 200}"
@@ -208,11 +208,11 @@ def test_bench_replays_a_trace_over_http(cluster, tmp_path) -> None:
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     out = tmp_path / "bench.json"
     p = argparse.ArgumentParser()
-    bench_http.add_arguments(p)
+    endpoint.add_arguments(p)
     args = p.parse_args(["--url", cluster.url, "--trace", str(trace), "--duration", "10",
                          "--json", str(out), "--policy-label", "tierserve",
                          "--max-output-tokens", "8", "--request-timeout", "60"])
-    assert bench_http.run(args) == 0
+    assert endpoint.run(args) == 0
     summary = json.loads(out.read_text())
     assert summary["policy"] == "tierserve" and summary["requests"] == len(rows)
     assert summary["errors"] == 0

@@ -189,7 +189,7 @@ def test_the_catalog_covers_the_installed_vllm_request_models() -> None:
     fails here until the catalog says what tierserve does with it."""
     import subprocess
 
-    from engine.peer_venv import peer_venv_dir, venv_python
+    from bench.peer_venv import peer_venv_dir, venv_python
     from engine.prepare_model import cache_root
 
     python = venv_python(peer_venv_dir(cache_root()))

@@ -118,7 +118,7 @@ def test_work_conservation_counter_follows_the_kernels_running_totals() -> None:
 
 
 def test_ttft_hops_are_histograms_read_back_and_summarised_over_a_window() -> None:
-    from cluster.http_replay import parse_ttft_parts
+    from bench.http_replay import parse_ttft_parts
     from router.metrics import histogram_quantile, parts_summary
 
     rec = MetricsRecorder(default_tiers())

@@ -38,7 +38,7 @@ def test_trace_files_match_their_readme_checksums() -> None:
 
 
 def test_bench_defaults_read_the_shipped_traces() -> None:
-    from scheduler import bench
+    from bench import scheduler_latency as bench
 
     assert Path(bench.DEFAULT_TRACE) == TRACES / "mooncake_conversation_min00-30.jsonl"
     assert Path(bench.DEFAULT_TRACE).is_file()

@@ -28,7 +28,7 @@ prefill worker, the wait there for a step, the prefill; samples, mean, p50, p99 
 Bounded: arrivals stop at ``--duration`` and every request has ``--request-timeout``.
 
 ``tierserve bench --peer vllm-cpu`` starts tierserve and vLLM here, one after the other,
-and replays the same trace through both (``cluster.bench_peer``); ``--url`` is then not
+and replays the same trace through both (``bench.peer``); ``--url`` is then not
 given.
 """
 
@@ -41,7 +41,7 @@ import math
 import sys
 from pathlib import Path
 
-from cluster.http_replay import (
+from bench.http_replay import (
     counters,
     counters_delta,
     hops_line,
@@ -53,7 +53,7 @@ from scheduler.tiers import default_tiers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cluster import bench_peer
+    from bench import peer
 
     p.add_argument("--url", help="endpoint, e.g. http://127.0.0.1:8000 (required without --peer)")
     p.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
@@ -72,14 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default="unused")
-    bench_peer.add_arguments(p)
+    peer.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.peer:
-        from cluster import bench_peer
+        from bench import peer
 
-        return bench_peer.run(args)
+        return peer.run(args)
     if not args.url:
         print("tierserve bench: --url is required (or --peer vllm-cpu, which starts tierserve "
               "and the peer here)", file=sys.stderr)

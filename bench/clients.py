@@ -8,7 +8,7 @@ endpoint, given only its URL.
   as their tokenizer, ``/v1/models``' ``root`` (the checkpoint folder: no hub is reached).
 
 Each client runs from a virtual environment of its own under
-``$TIERSERVE_CACHE/clients/<name>`` (vLLM: the peer environment of engine/peer_venv.py),
+``$TIERSERVE_CACHE/clients/<name>`` (vLLM: the peer environment of bench/peer_venv.py),
 made on first use with torch's CPU wheel installed first: they bring a torch of their own,
 and neither a CUDA build nor anything of theirs goes into the project's ``.venv``.
 Traffic: synthetic prompts of ``--input-tokens`` tokens asking ``--output-tokens``,
@@ -53,7 +53,7 @@ def _env() -> dict[str, str]:
 def ensure_client(name: str, log: Any = print) -> Path:
     """The client's venv ``bin`` folder, installed on first use."""
     if name == "vllm":
-        from engine.peer_venv import ensure_vllm_venv, peer_venv_dir
+        from bench.peer_venv import ensure_vllm_venv, peer_venv_dir
 
         venv = peer_venv_dir(cache_root())
         ensure_vllm_venv(venv, log=log)

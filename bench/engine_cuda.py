@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_report import write_report
+from bench.report import write_report
 
 VARIANTS = {
     "flex+graphs": {"attention": "flex"},

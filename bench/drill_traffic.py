@@ -1,4 +1,4 @@
-"""The drill's traffic (``cluster/drill.py``): streaming completions read chunk by chunk,
+"""The drill's traffic (``bench/drill.py``): streaming completions read chunk by chunk,
 probe requests, and the reads of /health, /v1/models and /metrics, over HTTP to the
 endpoint under drill only.
 """

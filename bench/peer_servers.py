@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import peer_venv
-from engine.peer_venv import (  # noqa: F401  (re-exported: cluster.bench_peer, tests)
+from bench import peer_venv
+from bench.peer_venv import (  # noqa: F401  (re-exported: bench.peer, tests)
     VLLM_PACKAGES,
     VLLM_UNWANTED,
     VLLM_VERSION,
@@ -305,7 +305,7 @@ def stop_ray_leftovers(left: Sequence[int], bin_dir: Path,
                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-# --- vLLM's virtual environment (engine/peer_venv.py, shared with bench-engine --peer) -----
+# --- vLLM's virtual environment (bench/peer_venv.py, shared with bench-engine --peer) -----
 
 
 def ensure_vllm_venv(venv: Path, log: Callable[[str], None] = print) -> dict[str, str | None]:

@@ -1,4 +1,4 @@
-"""The drill's hands on the cluster, through Ray (``cluster/drill.py``): the scheduler's
+"""The drill's hands on the cluster, through Ray (``bench/drill.py``): the scheduler's
 view, a worker's status, killing an actor (Ray restarts it) or a Serve router replica
 (Serve replaces it), and telling a new start of a part from the one the drill hit.
 """

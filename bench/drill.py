@@ -1,6 +1,6 @@
 """Fault drills against a running cluster: kill a part of it mid-stream, check what the
 clients see and that the cluster heals (issue 13; ``tierserve drill`` and the tests in
-``tests/cluster/test_fault_drills.py`` both run :func:`run_drill`).
+``tests/bench/test_fault_drills.py`` both run :func:`run_drill`).
 
 One drill, in order::
 
@@ -31,8 +31,8 @@ one's the time to its error; the end of a long, healthy stream comes when it com
 ``clear_s`` is reported, not judged). :class:`DrillBounds` holds the issue's numbers:
 that 10 s, the service answering again within 30 s, no block leaked.
 
-Traffic goes only to ``url`` (``cluster/drill_traffic.py``); the faults go through Ray
-(``cluster/drill_control.py``).
+Traffic goes only to ``url`` (``bench/drill_traffic.py``); the faults go through Ray
+(``bench/drill_control.py``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cluster.drill_control import ClusterControl, Fault
-from cluster.drill_traffic import (
+from bench.drill_control import ClusterControl, Fault
+from bench.drill_traffic import (
     PROBE_INTERVAL_S,
     WATCH_S,
     Endpoint,

@@ -131,7 +131,7 @@ async def drive(backend: Any, arrivals: list[Arrival], timeout_s: float, tag: st
                 status: Callable[[], Awaitable[str]] | None = None) -> list[Any]:
     """Every arrival at its time (open loop) through the backend; one Outcome each.
     ``status``: more for each progress line (the cluster's queue and memory)."""
-    from cluster.http_replay import Outcome
+    from bench.http_replay import Outcome
     from router.backend import BackendError, GenerationSpec, SamplingSpec
 
     async def one(i: int, a: Arrival) -> Outcome:
@@ -365,9 +365,9 @@ def _stop(handles: Any) -> None:
 
 
 def run_one(args: argparse.Namespace, model: str, policy: str, rate: float) -> dict[str, Any]:
+    from bench.http_replay import summarize
     from cluster.app import init_ray, start_workers
     from cluster.backend import ClusterBackend, HFTokenizer
-    from cluster.http_replay import summarize
 
     cfg = cluster_config(args, model, policy)
     init_ray(None, num_cpus=args.num_cpus)
@@ -409,7 +409,7 @@ MAX_EXPLAINED = 20  # tier-0 misses explained per run (``tierserve why``)
 
 async def _explain_misses(handles: Any, outcomes: list[Any], tiers: Any) -> list[dict[str, Any]]:
     """Each tier-0 request that missed its target, why (its ``tierserve why`` text)."""
-    from cluster.http_replay import miss_reason
+    from bench.http_replay import miss_reason
     from cluster.messages import unpack
 
     out = []
@@ -428,7 +428,7 @@ def _figures(summary: dict[str, Any], kv: dict[str, Any], base: dict[str, Any],
     """One run's figures from its ``http_replay.summarize`` summary and the scheduler's
     stats once idle (``stats``; ``kv`` its ``kv_memory``), less what the warm-up left
     (``base``: the warm-up's ``kv_memory``; ``before``: its whole stats)."""
-    from cluster.http_replay import counter_delta
+    from bench.http_replay import counter_delta
     from router.metrics import parts_summary
 
     tiers = summary["tiers"]
@@ -527,7 +527,7 @@ def _headline(by_rate: dict[str, dict[str, Any]], policies: list[str]) -> float:
 
 
 def _print(policy: str, r: dict[str, Any]) -> None:
-    from cluster.http_replay import hops_line
+    from bench.http_replay import hops_line
 
     att = " ".join(f"t{t}={v:.3f}" if v is not None else f"t{t}=-"
                    for t, v in r["attainment"].items())

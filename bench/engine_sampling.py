@@ -1,6 +1,6 @@
 """What the sampling parameters and structured output cost, and whether the output holds.
 
-``python -m engine.bench_sampling --json OUT`` on the default model (SmolLM2-135M, bf16,
+``python -m bench.engine_sampling --json OUT`` on the default model (SmolLM2-135M, bf16,
 one torch thread), sections (``--skip NAME`` leaves one out):
 
 * ``sampler``: the sampler alone on [16, vocab] logits of the model: the greedy fast path
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import resolve_dtype
     from engine.prepare_model import default_model_path
 
-    parser = argparse.ArgumentParser(prog="bench_sampling")
+    parser = argparse.ArgumentParser(prog="python -m bench.engine_sampling")
     parser.add_argument("--model", default=str(default_model_path()))
     # auto: what a worker on this CPU runs (bf16 only where the CPU computes it natively;
     # an emulated bf16 step is many times slower and would flatter the mask's share)

@@ -1,6 +1,6 @@
 """Greedy equivalence of the engine with transformers' ``generate``, as
 ``tierserve bench-engine`` reports it: the full set (its ``equivalence`` section) and the
-quick set that ``--peer`` runs end with (engine.bench_peer)."""
+quick set that ``--peer`` runs end with (bench.engine_peer)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_report import log
+from bench.report import log
 
 
 def bench_equivalence(model_path: Path) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    from engine.bench_baselines import sharegpt_prompts
+    from bench.engine_baselines import sharegpt_prompts
     from engine.equivalence import (
         MODES,
         GenerateReference,
@@ -92,7 +92,7 @@ def bench_equivalence_quick(model_path: Path) -> dict[str, object]:
     ``generate`` token for token."""
     from transformers import AutoModelForCausalLM
 
-    from engine.bench_baselines import sharegpt_prompts
+    from bench.engine_baselines import sharegpt_prompts
     from engine.equivalence import (
         MODES,
         GenerateReference,

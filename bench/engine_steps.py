@@ -1,6 +1,6 @@
 """Step times of the engine: one prefill step of N tokens, one decode step at batch B.
 
-The figures engine/README.md quotes (``python -m engine.bench_steps``). Each point is the
+The figures engine/README.md quotes (``python -m bench.engine_steps``). Each point is the
 median of ``--reps`` steps, as wall time and as the calling thread's CPU time
 (``time.thread_time``; with one torch thread the forward runs on it, so other jobs on a
 shared machine inflate it less than the wall time).
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.prepare_model import default_model_path
 
-    parser = argparse.ArgumentParser(prog="bench_steps")
+    parser = argparse.ArgumentParser(prog="python -m bench.engine_steps")
     parser.add_argument("--model", default=str(default_model_path()))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)

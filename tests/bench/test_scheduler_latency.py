@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from scheduler import bench
+from bench import scheduler_latency as bench
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Replaying a trace through an OpenAI-compatible endpoint and summing it up per tier: the
-library under ``tierserve bench`` (cluster.bench_http) and the benches that compare
-systems with it (cluster.bench_peer, bench_compare, bench_pressure). What is measured and
-how is in cluster.bench_http's docstring."""
+library under ``tierserve bench`` (bench.endpoint) and the benches that compare
+systems with it (bench.peer, bench.compare, bench.pressure). What is measured and
+how is in bench.endpoint's docstring."""
 
 from __future__ import annotations
 
