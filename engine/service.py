@@ -24,6 +24,7 @@ from engine.sampling import SamplingParams
 from scheduler.kv_ledger import KVCounters
 from scheduler.messages import BlockEvent, GenerationSpec, TokenDelta
 from scheduler.messages import TokenLogprobs as WireLogprobs
+from scheduler.prefill_core import PrefillOutput
 from scheduler.worker_core import StepResult
 
 T = TypeVar("T")
@@ -100,6 +101,19 @@ def step_result(out: StepOutput) -> StepResult:
         finish = "stop"
     delta = token_delta(out, finish) if out.new_token_ids or finish else None
     return StepResult(out.req_id, delta, finish, bool(out.request_finished))
+
+
+def prefill_output(out: StepOutput) -> PrefillOutput:
+    """One engine output of a prefill step as the prefill core takes it."""
+    if out.error is not None:
+        return PrefillOutput(out.req_id, error=str(out.error))
+    finish = None
+    if out.finished:
+        finish = out.finish_reason.value if out.finish_reason else "stop"
+    done = bool(out.prefill_done)
+    return PrefillOutput(out.req_id, tuple(out.ready_block_ids or ()), done,
+                         int(out.new_token_ids[0]) if done else 0, finish,
+                         token_delta(out) if done else None)
 
 
 def kv_counters(engine: Any) -> KVCounters:

@@ -146,7 +146,7 @@ def test_a_started_prompt_keeps_its_blocks_and_finishes(policy: str) -> None:
                         or _stuck(rig.worker), "the prefill ends or the worker stops planning")
             if _stuck(rig.worker):
                 stuck.append(f"free {rig.engine.num_free_blocks} of 16, computed "
-                             f"{rig.worker.sched.local['long'].num_computed} of 40 tokens")
+                             f"{rig.worker.core.planner.local['long'].num_computed} of 40 tokens")
                 return
             await until(lambda: rig.consumer.poll("long").state.is_terminal, "transfer ends")
         finally:
@@ -164,9 +164,9 @@ def test_a_started_prompt_keeps_its_blocks_and_finishes(policy: str) -> None:
 def _stuck(worker: PrefillWorker) -> bool:
     """The worker has a started prefill and plans nothing for it: nothing else will ever
     free a block here (a planner that waits for room re-plans every step)."""
-    lr = worker.sched.local.get("long")
-    return (lr is not None and lr.num_computed > 0 and worker._plan_was_empty
-            and worker.sched.has_work() and worker.num_steps > 0)
+    lr = worker.core.planner.local.get("long")
+    return (lr is not None and lr.num_computed > 0 and worker.core.plan_was_empty
+            and worker.core.planner.has_work() and worker.num_steps > 0)
 
 
 class SlowRunner:
@@ -200,7 +200,7 @@ def test_transfers_the_policy_pauses_past_the_timeouts_stay_alive(policy: str) -
         rig.worker.start()
         try:
             await start(rig, "started", 128, tier=3)  # 16 chunks of 8 tokens
-            await until(lambda: rig.worker.sched.local["started"].num_computed > 0,
+            await until(lambda: rig.worker.core.planner.local["started"].num_computed > 0,
                         "the tier-3 prompt's first chunk ran")
             await start(rig, "urgent", 240, tier=0)  # 30 steps, each all of the budget
             await start(rig, "queued", 8, tier=3)
@@ -254,7 +254,7 @@ def test_a_worker_whose_step_hangs_keeps_no_transfer_alive() -> None:
         rig.worker.start()
         try:
             await start(rig, "started", 64, tier=3)  # eight chunks
-            await until(lambda: rig.worker.sched.local["started"].num_computed > 0,
+            await until(lambda: rig.worker.core.planner.local["started"].num_computed > 0,
                         "the first chunk ran")
             runner.hang.set()
             await until(runner.hanging.is_set, "a later chunk's step hangs")
@@ -327,12 +327,12 @@ def test_a_prompt_started_during_a_step_is_planned_for_the_next_one() -> None:
         rig.worker.start()
         try:
             await start(rig, "low", 64, tier=3)  # eight chunks
-            await until(lambda: rig.worker.sched.local["low"].num_computed > 0,
+            await until(lambda: rig.worker.core.planner.local["low"].num_computed > 0,
                         "the first chunk ran")
             runner.hang.set()
             await until(runner.hanging.is_set, "a later chunk's step is running")
             urgent = asyncio.ensure_future(start(rig, "urgent", 8, tier=0))
-            await until(lambda: "urgent" in rig.worker.sched.local,
+            await until(lambda: "urgent" in rig.worker.core.planner.local,
                         "the planner holds the urgent prompt while the step runs")
             assert not urgent.done()  # its engine add still waits for the running step
             runner.hang.clear()
@@ -370,4 +370,4 @@ def test_a_prompt_the_engine_refuses_is_answered_and_leaves_nothing_behind() -> 
     finally:
         close(rig)
     assert refusal is not None and refusal.startswith("invalid:"), refusal
-    assert "bad" not in rig.worker.sched.local and "bad" not in rig.worker._jobs
+    assert "bad" not in rig.worker.core.planner.local and "bad" not in rig.worker.core.jobs
