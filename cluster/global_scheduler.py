@@ -445,9 +445,11 @@ class GlobalScheduler:
             self.core.on_dispatch_result(d.req_id, False, time.time())
             return
         self.transfers_by_class[d.move_class.value] += 1
+        req = self.core.get(d.req_id)
+        hashes = req.block_hashes if req is not None else ()
         try:
-            ans = await self.client.dispatch(d.decode_worker_id,
-                                             Dispatch(spec, d.prefill_worker_id, d.num_blocks))
+            ans = await self.client.dispatch(d.decode_worker_id, Dispatch(
+                spec, d.prefill_worker_id, d.num_blocks, block_hashes=hashes))
         except WorkerGone:
             self.worker_failed(d.decode_worker_id)
             return

@@ -1,20 +1,10 @@
 """The decode worker: applies its :class:`~scheduler.worker_core.DecodeCore`'s decisions to
-the engine, the KV plane and the RPCs; every decision about a request is the core's.
-
-A dispatch reserves the prompt's blocks (prefix-cache hits reused) and hands the prefill
-worker a ticket for them (RECEIVING), or admits the request to this engine to prefill
-here (PREFILLING). The first token goes to the router as soon as the prefill worker sends
-it; once the KV is all here the engine takes the request over and it decodes in the
-continuous batch the core's planner composes every step (TPOT-sized, local chunks,
-KV-pressure victims, swap-ins). A preemption swaps it out (SWAPPED), recomputes it here
-(PREFILLING again) or migrates it with its KV (MIGRATING: a ``MigrateIn`` to the target,
-which reserves and answers a ticket; the KV goes over kvtransfer; DONE hands it off and
-the target streams on from the output so far; a failed move recomputes it here). Tokens
-go to each router as one ``TokenBatch`` per step (its subscription stream); events go to
-the global scheduler in a ``WorkerReport`` after a step that had some, else every control
-interval. Blocks that a transfer may still write are freed only once it ended
-(DRAINING), like vLLM's connectors. The Ray actor around this class lives in
-``cluster/worker_actors.py``.
+the engine (:class:`~engine.ports.EnginePort`), the KV plane (``kvtransfer.ports``) and the
+RPCs; every decision about a request, and the life it follows, is the core's (see there).
+What is left here is mechanism: which engine call, on which thread; which transfer to
+poll, begin or end; which message to which worker; tokens to each router as one
+``TokenBatch`` per step (its subscription stream); a ``WorkerReport`` after a step that
+had events, else every control interval. The Ray actor around it: ``cluster/worker_actors.py``.
 """
 
 from __future__ import annotations
@@ -25,20 +15,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from engine.aio import wait_event
+from engine import service
+from engine.aio import Reporter, Streams, step_loop, wait_event
 from engine.ports import EnginePort
-from engine.service import (
-    EngineThread,
-    block_events,
-    bytes_per_block,
-    kv_counters,
-    sampling_params,
-    shared_prefix_blocks,
-    step_result,
-)
-from kvtransfer.ports import KVReceiver, KVSender
-from kvtransfer.state import TransferState
-from scheduler.block_hashes import compute_block_hashes
+from kvtransfer.ports import KVReceiver, KVSender, arrived, done_transfers
 from scheduler.links import LinkModel
 from scheduler.messages import (
     Dispatch,
@@ -49,13 +29,11 @@ from scheduler.messages import (
     PrefilledBatch,
     StartPrefill,
     TokenBatch,
-    TransferStat,
     WorkerReport,
     encode,
 )
 from scheduler.policy import SchedulingPolicy
 from scheduler.preemption import PreemptMode
-from scheduler.request import Request
 from scheduler.step_costs import StepCosts
 from scheduler.step_planner import WorkerLimits, WorkerScheduler
 from scheduler.topology import WorkerInfo
@@ -66,25 +44,17 @@ from scheduler.worker_core import (
     SendVerdict,
     Stage,
     eviction_order,
+    kernel_request,
 )
 
 log = logging.getLogger(__name__)
 
-# Sends a report to the global scheduler; False (or raising): it did not get there.
+# The RPCs: a report to the global scheduler (False or raising: it did not get there); a
+# prefill start (None: taken, else why not); a migration in (raises: target unreachable).
 ReportFn = Callable[[WorkerReport], Awaitable[bool | None]]
-# Returns None when the prefill worker took the request, else why it refused it.
 StartPrefillFn = Callable[[str, StartPrefill], Awaitable[str | None]]
-# Asks a target decode worker to take a request over; raises when it is unreachable.
 MigrateFn = Callable[[str, MigrateIn], Awaitable[MigrateAnswer]]
-# A step loop that fails this many times in a row ends the requests of the failing step.
-MAX_STEP_FAILURES = 3
-
-
-def _arrived(status: Any) -> bool | None:
-    """A transfer's status as the core reads it: in flight (None), all there, or not."""
-    if status is None or not status.state.is_terminal:
-        return None
-    return status.state is TransferState.DONE
+MAX_STEP_FAILURES = 3  # failed steps in a row that end the failing step's requests
 
 
 class DecodeWorker:
@@ -101,27 +71,28 @@ class DecodeWorker:
         self.consumer = consumer
         self.producer = producer
         self.limits = limits
-        self._report_fn = report
         self._start_prefill = start_prefill
         self._migrate = migrate
         self.control_interval_s = control_interval_s
         self.core = DecodeCore(info.worker_id, WorkerScheduler.with_limits(
-            info, policy, costs, limits), bytes_per_block=bytes_per_block(engine), links=links,
-            can_migrate=producer is not None and migrate is not None)
-        self._thread = EngineThread(f"decode-{info.worker_id}", engine.books)
-        self._subs: dict[str, asyncio.Queue[bytes]] = {}
-        self._report_task: asyncio.Task[None] | None = None
+            info, policy, costs, limits), bytes_per_block=service.bytes_per_block(engine),
+            links=links, can_migrate=producer is not None and migrate is not None)
+        self._thread = service.EngineThread(f"decode-{info.worker_id}", engine.books)
+        self._streams = Streams(self.core.router_joined,
+                                lambda router_id: self.core.router_left(router_id, time.time()))
+        self._reporter = Reporter(f"decode worker {info.worker_id}", self._build_report,
+                                  report, self.core.delivered)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stepping: list[str] = []  # the requests of the step being run
 
-    @property
-    def num_steps(self) -> int:
-        return self.core.num_steps
-
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._step_loop()), loop.create_task(self._report_loop())]
+        self._tasks = [loop.create_task(step_loop(
+            f"decode worker {self.worker_id}", self._wake, self._turn,
+            lambda: None if self.core.has_work() else 0.005 if self.core.is_waiting() else 0.25,
+            self._give_up, max_failures=MAX_STEP_FAILURES)),
+            loop.create_task(self._report_loop())]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -139,26 +110,23 @@ class DecodeWorker:
         if (why := core.refusal(rid)) is not None:
             return self._answer(rid, False, why)
         prompt = list(spec.prompt_token_ids)
-        req = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens)
+        req = kernel_request(spec, msg.block_hashes)
         if msg.prefill_worker_id is None:
-            req.block_hashes = tuple(compute_block_hashes(prompt, self.limits.block_size))
-            refusal, cached, nblocks = await self._thread.call(self._admit, rid, spec)
+            refusal, cached, nblocks = await self._thread.call(service.admit_here, self.engine,
+                                                               rid, spec)
             if refusal is not None:
                 return self._answer(rid, False, refusal, refusal.startswith("invalid"))
             core.prefill_here(req, nblocks, cached, time.time(), spec=spec)
             self._wake.set()
             return self._answer(rid, True, cached=cached // self.limits.block_size)
-        try:
-            blocks, num_cached = self._reserve(rid, len(prompt), prompt)
-        except ValueError as e:  # longer than the model's context or the whole pool
-            return self._answer(rid, False, f"invalid: {e}", True)
-        if blocks is None:
-            return self._answer(rid, False, "no room")
-        ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
-        core.receive(req, tuple(blocks), msg.prefill_worker_id, time.time(), spec=spec)
+        refusal, blocks, num_cached, ticket = self._expect(rid, len(prompt), prompt)
+        if refusal is not None:
+            return self._answer(rid, False, refusal, refusal.startswith("invalid"))
+        core.receive(req, blocks, msg.prefill_worker_id, time.time(), spec=spec)
         try:
             refusal = await self._start_prefill(msg.prefill_worker_id,
-                                                StartPrefill(spec, self.worker_id, ticket))
+                                                StartPrefill(spec, self.worker_id, ticket,
+                                                             msg.block_hashes))
         except Exception as e:  # the prefill worker is gone: a retryable error, bounded
             log.warning("start of %s on %s failed: %s", rid, msg.prefill_worker_id, e)
             refusal = "worker_failed"
@@ -168,24 +136,18 @@ class DecodeWorker:
         self._wake.set()
         return self._answer(rid, True, cached=num_cached)
 
-    def _admit(self, rid: str, spec: Any) -> tuple[str | None, int, int]:
-        """On the engine thread: a request prefilled here, with all of its blocks."""
+    def _expect(self, rid: str, num_tokens: int, tokens: list[int]
+                ) -> tuple[str | None, tuple[int, ...], int, Any]:
+        """Reserve blocks for incoming KV (cached prefix first) and the ticket its sender
+        needs: (why not, or None; the blocks; how many were cached; the ticket)."""
         try:
-            self.engine.add_request(rid, list(spec.prompt_token_ids), sampling_params(spec))
-        except ValueError as e:  # the request can never run here
-            return f"invalid: {e}", 0, 0
-        if not self.engine.admit(rid):
-            self.engine.abort(rid)
-            return "no room", 0, 0
-        return None, self.engine.num_computed_tokens(rid), len(self.engine.block_ids(rid))
-
-    def _reserve(self, rid: str, num_tokens: int, tokens: list[int]
-                 ) -> tuple[list[int] | None, int]:
-        """Blocks for incoming KV, reserved on the event loop under the engine's books: it
-        never waits for a model forward, so a dispatch is answered within a few ms."""
-        with self.engine.books:
-            blocks = self.engine.reserve(rid, num_tokens, prompt_token_ids=tokens)
-            return blocks, (0 if blocks is None else self.engine.num_reserved_cached_blocks(rid))
+            blocks, num_cached = service.reserve_kv(self.engine, rid, num_tokens, tokens)
+        except ValueError as e:  # longer than the model's context or the whole pool
+            return f"invalid: {e}", (), 0, None
+        if blocks is None:
+            return "no room", (), 0, None
+        ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
+        return None, tuple(blocks), num_cached, ticket
 
     async def prefilled(self, batch: PrefilledBatch) -> None:
         for item in batch.items:
@@ -194,22 +156,9 @@ class DecodeWorker:
         self._flush()
         self._wake.set()
 
-    async def subscribe(self, router_id: str) -> AsyncIterator[bytes]:
+    def subscribe(self, router_id: str) -> AsyncIterator[bytes]:
         """One router's token stream: a ``TokenBatch`` per step that had tokens for it."""
-        q: asyncio.Queue[bytes] = asyncio.Queue()
-        old = self._subs.get(router_id)
-        self._subs[router_id] = q
-        self.core.router_joined(router_id)
-        if old is not None:
-            old.put_nowait(b"")  # a re-subscription replaces the old stream: end it
-        self._flush()
-        try:
-            while item := await q.get():
-                yield item
-        finally:
-            if self._subs.get(router_id) is q:
-                del self._subs[router_id]
-                self.core.router_left(router_id, time.time())
+        return self._streams.subscribe(router_id, self._flush)
 
     async def abort(self, req_id: str, error: str | None = None) -> None:
         """Drop the request; ``error`` set: its router hears it (and may retry)."""
@@ -253,23 +202,10 @@ class DecodeWorker:
         if v.action == "migrate":
             return await self._migrate_out(req_id, for_req_id, target_worker_id or "")
         free_before = self.engine.num_free_blocks
-
-        def evict() -> tuple[PreemptMode | None, int, float]:
-            if self.engine.request_state(req_id) is None:
-                return None, 0, 0.0  # it finished in the step that just ran
-            n = len(self.engine.block_ids(req_id))
-            for m in eviction_order(mode, not self.engine.can_recompute(req_id)):
-                t0 = time.perf_counter()
-                if m is PreemptMode.SWAP and self.engine.swap_out(req_id):
-                    return m, n, time.perf_counter() - t0
-                if m is PreemptMode.RECOMPUTE and self.engine.preempt_recompute(req_id):
-                    return m, n, 0.0
-            return None, n, 0.0
-
-        done, n, seconds = await self._thread.call(evict)
+        done, n, seconds = await self._thread.call(
+            service.evict, self.engine, req_id, lambda forked: eviction_order(mode, forked))
         ok = self.core.evicted(req_id, done, for_req_id, time.time(), num_blocks=n,
-                               seconds=seconds,
-                               num_freed=self.engine.num_free_blocks - free_before)
+                               seconds=seconds, num_freed=self.engine.num_free_blocks - free_before)
         self._wake.set()
         return ok
 
@@ -307,20 +243,14 @@ class DecodeWorker:
         why = self.core.refusal(rid) or self.core.migration_refusal(msg)
         if why is not None:
             return MigrateAnswer(rid, None, why)
-        tokens = list(spec.prompt_token_ids + msg.output_token_ids)
-        try:
-            blocks, num_cached = self._reserve(rid, msg.num_computed, tokens)
-        except ValueError as e:
-            return MigrateAnswer(rid, None, f"invalid: {e}")
-        if blocks is None:
-            return MigrateAnswer(rid, None, "no room")
-        ticket = self.consumer.expect(rid, blocks, present=tuple(range(num_cached)))
-        req = Request(rid, spec.tier, spec.arrival_time, len(spec.prompt_token_ids),
-                      spec.sampling.max_tokens)
-        self.core.receive(req, tuple(blocks), msg.from_worker_id, time.time(), spec=spec,
-                          migrated_in=msg)
+        refusal, blocks, num_cached, ticket = self._expect(
+            rid, msg.num_computed, list(spec.prompt_token_ids + msg.output_token_ids))
+        if refusal is not None:
+            return MigrateAnswer(rid, None, refusal)
+        self.core.receive(kernel_request(spec), blocks, msg.from_worker_id, time.time(),
+                          spec=spec, migrated_in=msg)
         self._wake.set()
-        self._report_soon()
+        self._reporter.soon()
         return MigrateAnswer(rid, ticket, num_cached_blocks=num_cached)
 
     async def _fall_back(self, rid: str, why: str) -> bool:
@@ -340,7 +270,7 @@ class DecodeWorker:
         """``prefill_worker_id`` died: drop the requests still receiving from it whose KV or
         first token has not arrived (their routers hear ``worker_failed`` and retry)."""
         dropped = self.core.lost_source(prefill_worker_id, req_ids,
-                                        lambda rid: _arrived(self.consumer.poll(rid)))
+                                        lambda rid: arrived(self.consumer.poll(rid)))
         for rid in dropped:
             await self.abort(rid, error="worker_failed")  # the scheduler ends it in its view
         return dropped
@@ -350,49 +280,32 @@ class DecodeWorker:
 
     def status(self) -> dict[str, Any]:
         swap = self.engine.swap
-        return {"worker_id": self.worker_id, "num_free_blocks": self.engine.num_free_blocks,
-                "num_total_blocks": self.engine.num_total_blocks,
-                "num_requests": self.core.num_requests, "num_steps": self.num_steps,
+        return {"worker_id": self.worker_id, **service.engine_status(self.engine),
+                "num_requests": self.core.num_requests, "num_steps": self.core.num_steps,
                 "num_swap_used": swap.num_used, "num_swap_peak": swap.num_peak,
-                "num_swap_blocks": swap.capacity,
-                "num_prefix_query_blocks": self.engine.num_prefix_query_blocks,
-                "num_prefix_hit_blocks": self.engine.num_prefix_hit_blocks}
+                "num_swap_blocks": swap.capacity}
 
     def _flush(self) -> None:
         for router_id, deltas in self.core.take_outbox():
-            self._subs[router_id].put_nowait(encode(TokenBatch(self.worker_id, deltas)))
+            self._streams.put(router_id, encode(TokenBatch(self.worker_id, deltas)))
 
     # -- the step loop -------------------------------------------------------------------
 
-    async def _step_loop(self) -> None:
-        failures = 0
-        while True:
-            if not self.core.has_work():
-                await wait_event(self._wake, 0.005 if self.core.is_waiting() else 0.25)
-            self._wake.clear()
-            self._stepping = []
-            num_events = len(self.core.events)
-            try:
-                await self._tend_transfers()
-                if self.core.has_work():
-                    await self._step()
-                self._flush()
-                if len(self.core.events) > num_events or self.core.report_due:
-                    self._report_soon()
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep serving the other requests
-                failures += 1
-                log.exception("decode worker %s: step failed (%d in a row)", self.worker_id,
-                              failures)
-                if failures >= MAX_STEP_FAILURES:  # a bound, never a retry forever
-                    failures = 0
-                    for rid in self._stepping:
-                        if self.core.fail(rid, "step_failed", time.time()):
-                            await self.abort(rid, error="step_failed: the worker's step "
-                                             f"failed {MAX_STEP_FAILURES} times")
-                await asyncio.sleep(0.05)
+    async def _turn(self) -> None:
+        self._stepping = []
+        num_events = len(self.core.events)
+        await self._tend_transfers()
+        if self.core.has_work():
+            await self._step()
+        self._flush()
+        if len(self.core.events) > num_events or self.core.report_due:
+            self._reporter.soon()
+
+    async def _give_up(self, n: int) -> None:
+        """The step failed ``n`` times in a row: its requests end (an error each)."""
+        for rid in self._stepping:
+            if self.core.fail(rid, "step_failed", time.time()):
+                await self.abort(rid, error=f"step_failed: the worker's step failed {n} times")
 
     async def _tend_transfers(self) -> None:
         """Drained reservations freed, migrations out handed off (or recomputed), KV that
@@ -400,11 +313,10 @@ class DecodeWorker:
         core = self.core
         for rid in core.ids(Stage.DRAINING):
             await self._drain(rid)
-        for rid in core.ids(Stage.MIGRATING):
-            if self.producer is None or core.entries[rid].out is None:
-                continue
+        for rid in core.sending():
+            assert self.producer is not None
             st = self.producer.poll(rid)
-            verdict = core.send_progress(rid, _arrived(st) if st is not None else False)
+            verdict = core.send_progress(rid, arrived(st) if st is not None else False)
             if verdict is SendVerdict.WAIT:
                 continue
             if st is not None:
@@ -417,7 +329,7 @@ class DecodeWorker:
             core.handed_off(rid, self.engine.num_free_blocks - free_before, time.time())
         for rid in core.ids(Stage.RECEIVING):
             st = self.consumer.poll(rid)
-            verdict = core.kv_progress(rid, _arrived(st), time.time())
+            verdict = core.kv_progress(rid, arrived(st), time.time())
             if verdict in (KVVerdict.ENDED, KVVerdict.DROPPED):
                 await self._release(rid, Release.END_TRANSFER)
             elif verdict is KVVerdict.FAILED:
@@ -427,25 +339,15 @@ class DecodeWorker:
                 await self._join(rid)
 
     async def _join(self, rid: str) -> None:
-        e = self.core.entries[rid]
+        e, msg = self.core.entries[rid], self.core.entries[rid].migrated_in
         self.consumer.forget(rid)
-        spec, msg = e.spec, e.migrated_in
-        assert spec is not None
         try:
-            if msg is not None:
-                await self._thread.call(self.engine.add_migrated_request, rid,
-                                        list(spec.prompt_token_ids + msg.output_token_ids),
-                                        len(spec.prompt_token_ids), sampling_params(spec),
-                                        list(e.block_ids))
-            else:
-                await self._thread.call(self.engine.add_prefilled_request, rid,
-                                        list(spec.prompt_token_ids), e.first_tokens(),
-                                        sampling_params(spec), list(e.block_ids))
+            await self._thread.call(service.add_arrived, self.engine, rid, e.spec,
+                                    list(e.block_ids), outputs=msg and msg.output_token_ids,
+                                    first_tokens=None if msg else e.first_tokens())
         except ValueError as err:  # it can never decode here: it ends alone (retried)
             log.warning("request %s cannot decode here: %s", rid, err)
-            reason = "worker_failed" if msg is not None else "invalid"
-            self.core.fail(rid, reason, time.time())
-            await self.abort(rid, error=reason if msg is not None else f"invalid: {err}")
+            await self.abort(rid, error=self.core.cannot_join(rid, str(err), time.time()))
             return
         self.core.joined(rid, time.time())
 
@@ -457,73 +359,30 @@ class DecodeWorker:
             return
         for rid, mode in core.victims(plan):
             await self.preempt(rid, mode, None)
-        for rid in plan.swap_in:
-            await self._swap_in(rid)
+        for rid in filter(core.swappable, plan.swap_in):
+            if (got := await self._thread.call(service.swap_in, self.engine, rid)) is not None:
+                core.swapped_in(rid, got[0], got[1], time.time())
         decodes = core.runnable(plan)
         self._stepping = [*decodes, *(rid for rid, _ in plan.chunks)]
         began, t0 = time.time(), time.perf_counter()
         outs, refused, blocks, computed, shared, events = await self._thread.call(
-            self._run, decodes, list(plan.chunks), core.protect())
+            service.run_step, self.engine, decodes, list(plan.chunks), core.protect(),
+            shared=True)
         core.block_events.extend(events)
         core.step_ran(plan, now, began=began, seconds=time.perf_counter() - t0,
-                      results=[step_result(o) for o in outs], refused=refused, blocks=blocks,
-                      computed=computed, shared=shared)
-
-    def _run(self, decodes: list[str], chunks: list[tuple[str, int]],
-             protect: frozenset[int] | None) -> tuple[Any, ...]:
-        """On the engine thread: the step, then the block counts the planner tracks."""
-        if protect is not None:
-            self.engine.protect_prefixes(protect)
-        outs, refused = self.engine.run_plan(decodes, chunks)
-        blocks, computed, shared = {}, {}, {}
-        for rid in [*decodes, *(c for c, _ in chunks)]:
-            if self.engine.request_state(rid) is not None:
-                ids = self.engine.block_ids(rid)
-                blocks[rid] = len(ids)
-                computed[rid] = self.engine.num_computed_tokens(rid)
-                shared[rid] = shared_prefix_blocks(self.engine, ids)
-        return outs, refused, blocks, computed, shared, block_events(self.engine.drain_events())
-
-    async def _swap_in(self, rid: str) -> None:
-        e = self.core.get(rid)
-        if e is None or e.stage is not Stage.SWAPPED:
-            return
-
-        def swap_in() -> tuple[int, float] | None:
-            t0 = time.perf_counter()
-            if not self.engine.swap_in(rid):
-                return None
-            return len(self.engine.block_ids(rid)), time.perf_counter() - t0
-
-        if (got := await self._thread.call(swap_in)) is not None:
-            self.core.swapped_in(rid, got[0], got[1], time.time())
+                      results=[service.step_result(o) for o in outs], refused=refused,
+                      blocks=blocks, computed=computed, shared=shared)
 
     # -- reports -------------------------------------------------------------------------
 
-    def _report_soon(self) -> None:
-        if self._report_task is None or self._report_task.done():
-            self._report_task = asyncio.get_running_loop().create_task(self._send_report())
-
-    async def _send_report(self) -> None:
+    def _build_report(self) -> WorkerReport:
         core = self.core
-        for s in self.consumer.drain_stats():
-            if s.state is TransferState.DONE:
-                core.transfers.append(TransferStat(s.req_id, s.num_bytes, s.duration_s,
-                                                   s.end_time, s.topology.value))
-        if self.producer is not None:  # migrations out: whole transfers, a link's pace
-            for s in self.producer.drain_stats():
-                if s.state is TransferState.DONE and s.num_bytes:
-                    core.moved(s.req_id, s.num_bytes, s.duration_s)
-        rep = core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
-                          kv_counters(self.engine))
-        try:
-            delivered = await self._report_fn(rep) is not False
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the scheduler may be restarting: report next time
-            log.exception("decode worker %s: report failed", self.worker_id)
-            delivered = False
-        core.delivered(rep, delivered)
+        core.transfers.extend(done_transfers(self.consumer))
+        for t in done_transfers(self.producer) if self.producer is not None else ():
+            if t.num_bytes:  # a migration out: a link's pace
+                core.moved(t.req_id, t.num_bytes, t.duration_s)
+        return core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
+                           service.kv_counters(self.engine))
 
     async def _report_loop(self) -> None:
         while True:
@@ -531,8 +390,8 @@ class DecodeWorker:
             for rid in self.core.expire(time.time()):
                 log.info("the router of %s is gone: aborting it", rid)
                 await self.abort(rid)
-            if self._report_task is not None and not self._report_task.done():
+            if self._reporter.busy:
                 continue
-            self.core.block_events.extend(block_events(
+            self.core.block_events.extend(service.block_events(
                 await self._thread.call(self.engine.drain_events)))
-            self._report_soon()
+            self._reporter.soon()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
 from scheduler.kv_ledger import KVCounters
-from scheduler.messages import BlockEvent, GenerationSpec, TokenDelta
+from scheduler.messages import BlockEvent, GenerationSpec, PreemptMode, TokenDelta
 from scheduler.messages import TokenLogprobs as WireLogprobs
 from scheduler.prefill_core import PrefillOutput
 from scheduler.worker_core import StepResult
@@ -131,6 +132,97 @@ def shared_prefix_blocks(engine: Any, block_ids: list[int]) -> int:
             break
         n += 1
     return n
+
+
+# -- engine operations a worker runs on its engine thread -----------------------------------
+
+
+def admit_here(engine: Any, req_id: str, spec: GenerationSpec) -> tuple[str | None, int, int]:
+    """A request prefilled on this engine, with all of its blocks: (why not, or None; its
+    cached prompt tokens; its blocks)."""
+    try:
+        engine.add_request(req_id, list(spec.prompt_token_ids), sampling_params(spec))
+    except ValueError as e:  # the request can never run here
+        return f"invalid: {e}", 0, 0
+    if not engine.admit(req_id):
+        engine.abort(req_id)
+        return "no room", 0, 0
+    return None, engine.num_computed_tokens(req_id), len(engine.block_ids(req_id))
+
+
+def reserve_kv(engine: Any, req_id: str, num_tokens: int, tokens: list[int]
+               ) -> tuple[list[int] | None, int]:
+    """Blocks for ``num_tokens`` of incoming KV (the cached prefix of ``tokens`` first) and
+    how many were cached; safe off the engine thread (under the books, which a step lets
+    go while the model runs: a dispatch never waits for a forward)."""
+    with engine.books:
+        blocks = engine.reserve(req_id, num_tokens, prompt_token_ids=tokens)
+        return blocks, (0 if blocks is None else engine.num_reserved_cached_blocks(req_id))
+
+
+def evict(engine: Any, req_id: str, order: Callable[[bool], tuple[PreemptMode, ...]]
+          ) -> tuple[PreemptMode | None, int, float]:
+    """Evict a decode the first way of ``order(forked)`` that works: (how, or None; its
+    blocks; the swap's seconds)."""
+    if engine.request_state(req_id) is None:
+        return None, 0, 0.0  # it finished in the step that just ran
+    n = len(engine.block_ids(req_id))
+    for m in order(not engine.can_recompute(req_id)):
+        t0 = time.perf_counter()
+        if m is PreemptMode.SWAP and engine.swap_out(req_id):
+            return m, n, time.perf_counter() - t0
+        if m is PreemptMode.RECOMPUTE and engine.preempt_recompute(req_id):
+            return m, n, 0.0
+    return None, n, 0.0
+
+
+def swap_in(engine: Any, req_id: str) -> tuple[int, float] | None:
+    """Bring a swapped request back: (its blocks, seconds), or None (no room)."""
+    t0 = time.perf_counter()
+    if not engine.swap_in(req_id):
+        return None
+    return len(engine.block_ids(req_id)), time.perf_counter() - t0
+
+
+def add_arrived(engine: Any, req_id: str, spec: GenerationSpec, block_ids: list[int], *,
+                first_tokens: int | list[int] | None = None,
+                outputs: tuple[int, ...] | None = None) -> None:
+    """A request whose KV all arrived in ``block_ids`` joins the engine's decodes: from its
+    prefill worker (``first_tokens``) or by migration (``outputs``: its output so far).
+    ValueError: it can never decode here."""
+    prompt = list(spec.prompt_token_ids)
+    if outputs is not None:
+        engine.add_migrated_request(req_id, prompt + list(outputs), len(prompt),
+                                    sampling_params(spec), block_ids)
+    else:
+        engine.add_prefilled_request(req_id, prompt, first_tokens, sampling_params(spec),
+                                     block_ids)
+
+
+def run_step(engine: Any, decodes: list[str], chunks: list[tuple[str, int]],
+             protect: frozenset[int] | None, *, shared: bool = False) -> tuple[Any, ...]:
+    """On the engine thread: the step, then what the planner tracks of each request it
+    ran (its blocks, its tokens with KV, with ``shared`` its leading blocks another
+    request holds too) and the pool's block events."""
+    if protect is not None:
+        engine.protect_prefixes(protect)
+    outs, refused = engine.run_plan(decodes, chunks)
+    blocks, computed, num_shared = {}, {}, {}
+    for rid in [*decodes, *(c for c, _ in chunks)]:
+        if engine.request_state(rid) is not None:
+            ids = engine.block_ids(rid)
+            blocks[rid] = len(ids)
+            computed[rid] = engine.num_computed_tokens(rid)
+            if shared:
+                num_shared[rid] = shared_prefix_blocks(engine, ids)
+    return outs, refused, blocks, computed, num_shared, block_events(engine.drain_events())
+
+
+def engine_status(engine: Any) -> dict[str, Any]:
+    """The engine's figures a worker's ``status()`` shows."""
+    return {"num_free_blocks": engine.num_free_blocks, "num_total_blocks": engine.num_total_blocks,
+            "num_prefix_query_blocks": engine.num_prefix_query_blocks,
+            "num_prefix_hit_blocks": engine.num_prefix_hit_blocks}
 
 
 def bytes_per_block(engine: Any) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvtransfer.state import TransferStats, TransferStatus
+from kvtransfer.state import TransferState, TransferStats, TransferStatus
+from scheduler.messages import TransferStat
 
 
 class _Transfers(Protocol):
@@ -35,3 +36,18 @@ class KVSender(_Transfers, Protocol):
              first_position: int | None = None) -> None: ...
 
     def keepalive(self, req_id: str) -> bool: ...
+
+
+def arrived(status: TransferStatus | None) -> bool | None:
+    """A transfer's status as a worker core reads it: in flight or unknown (None), all
+    there (True), or failed, aborted or lost (False)."""
+    if status is None or not status.state.is_terminal:
+        return None
+    return status.state is TransferState.DONE
+
+
+def done_transfers(side: _Transfers) -> list[TransferStat]:
+    """The transfers that completed since the last call, as the scheduler's link model
+    takes them (failed ones teach no link speed)."""
+    return [TransferStat(s.req_id, s.num_bytes, s.duration_s, s.end_time, s.topology.value)
+            for s in side.drain_stats() if s.state is TransferState.DONE]

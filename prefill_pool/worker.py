@@ -28,7 +28,6 @@ from engine.aio import wait_event
 from engine.ports import EnginePort
 from engine.service import EngineThread, block_events, prefill_output, sampling_params
 from kvtransfer.ports import KVSender
-from scheduler.block_hashes import compute_block_hashes
 from scheduler.messages import (
     BlockEvent,
     HeldRequest,
@@ -39,10 +38,10 @@ from scheduler.messages import (
 )
 from scheduler.policy import SchedulingPolicy
 from scheduler.prefill_core import PrefillCore, PrefillStage
-from scheduler.request import Request
 from scheduler.step_costs import StepCosts
 from scheduler.step_planner import WorkerLimits, WorkerScheduler
 from scheduler.topology import WorkerInfo
+from scheduler.worker_core import kernel_request
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +96,7 @@ class PrefillWorker:
             params = sampling_params(spec)
         except ValueError as e:
             return f"invalid: {e}"
-        req = Request(rid, spec.tier, spec.arrival_time, len(prompt), spec.sampling.max_tokens,
-                      block_hashes=tuple(compute_block_hashes(prompt,
-                                                              self.core.planner.block_size)))
+        req = kernel_request(spec, msg.block_hashes)
         if (why := self.core.start(spec, req, msg.decode_worker_id, time.time())) is not None:
             return why
         # The engine adds it after the step running now, ahead of any step planned after

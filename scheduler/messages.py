@@ -275,6 +275,9 @@ class Dispatch:
     # Prompt plus tokens already streamed to the client (a recompute after a failure).
     num_output_tokens: int = 0
     first_token_time: float | None = None
+    # The prompt's chained full-block hashes, computed once where it arrived (the global
+    # scheduler) and carried to the workers that order and protect prefixes by them.
+    block_hashes: tuple[int, ...] = ()
 
 
 @message("dans")
@@ -297,6 +300,7 @@ class StartPrefill:
     spec: GenerationSpec
     decode_worker_id: str
     ticket: dict[str, Any]
+    block_hashes: tuple[int, ...] = ()  # the Dispatch's: the prompt is hashed once
 
 
 @message("pre1")

@@ -202,8 +202,7 @@ class PreemptVerdict:
     """What a preempt order (or the planner's own victim) comes to."""
 
     ok: bool | None  # None: act (see ``action``); True/False: the order's answer, nothing to do
-    action: str = ""  # "evict" (modes in order) | "migrate" | "fall_back"
-    modes: tuple[PreemptMode, ...] = ()
+    action: str = ""  # "evict" (``eviction_order``) | "migrate" | "fall_back"
 
 
 class SendVerdict(enum.Enum):
@@ -221,6 +220,13 @@ class StepResult:
     finish: str | None = None  # "stop" | "length" when the sequence ended
     request_finished: bool = False  # every sequence ended: it leaves the engine
     error: str | None = None  # the step failed on this request alone (it left the engine)
+
+
+def kernel_request(spec: GenerationSpec, block_hashes: tuple[int, ...] = ()) -> Request:
+    """A worker's kernel view of a request from the wire (tier, sizes, arrival, and the
+    prompt's block hashes its dispatch carries)."""
+    return Request(spec.req_id, spec.tier, spec.arrival_time, len(spec.prompt_token_ids),
+                   spec.sampling.max_tokens, block_hashes)
 
 
 def eviction_order(mode: PreemptMode, forked: bool) -> tuple[PreemptMode, ...]:
@@ -416,6 +422,15 @@ class DecodeCore:
             TokenDelta(req_id, msg.output_token_ids, start=0))
         self.report_due = True
 
+    def cannot_join(self, req_id: str, why: str, now: float) -> str:
+        """The engine cannot take over a request whose KV arrived (it can never decode
+        here): it ends alone; the error its router hears (it retries by recompute)."""
+        e = self.entries[req_id]
+        migrated = e.migrated_in is not None
+        self._event(req_id, WorkerEvent.ABORTED, now,
+                    reason="worker_failed" if migrated else "invalid")
+        return "worker_failed" if migrated else f"invalid: {why}"
+
     def drained(self, req_id: str, now: float) -> None:
         """The transfer into a draining reservation ended: its blocks are free."""
         e = self.entries.get(req_id)
@@ -509,7 +524,7 @@ class DecodeCore:
             if not self.can_migrate or not target:
                 return PreemptVerdict(False)
             return PreemptVerdict(None, "migrate")
-        return PreemptVerdict(None, "evict", (mode,))
+        return PreemptVerdict(None, "evict")
 
     def victims(self, plan: StepPlan) -> list[tuple[str, PreemptMode]]:
         """The planner's own victims, each with how it goes (swap, else recompute)."""
@@ -632,6 +647,15 @@ class DecodeCore:
         plan = self.planner.plan(now, num_free_blocks, num_free_swap_blocks=num_free_swap_blocks)
         self.plan_was_empty = plan.is_empty
         return plan
+
+    def sending(self) -> list[str]:
+        """Requests whose KV is on the wire to another decode worker."""
+        return [rid for rid, e in self.entries.items()
+                if e.stage is Stage.MIGRATING and e.out is not None]
+
+    def swappable(self, req_id: str) -> bool:
+        e = self.get(req_id)
+        return e is not None and e.stage is Stage.SWAPPED
 
     def runnable(self, plan: StepPlan) -> list[str]:
         """The plan's decodes still here (a victim or an abort may have taken some)."""
@@ -806,4 +830,4 @@ class DecodeCore:
 
 __all__ = ["DecodeCore", "Entry", "FirstToken", "IllegalMove", "KVVerdict", "Move",
            "PreemptVerdict", "Release", "SendVerdict", "Stage", "StepResult",
-           "eviction_order", "request_state"]
+           "eviction_order", "kernel_request", "request_state"]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cluster.global_scheduler import GlobalScheduler, WorkerGone
+from scheduler.block_hashes import compute_block_hashes
 from scheduler.messages import (
     Dispatch,
     DispatchAnswer,
@@ -44,6 +45,7 @@ class FakeWorkers:
         self.free = dict(free)
         self.calls: list[tuple[str, str, Any]] = []
         self.dead: set[str] = set()
+        self.hashes: dict[str, tuple[int, ...]] = {}
 
     def _check(self, wid: str) -> None:
         if wid in self.dead:
@@ -52,6 +54,7 @@ class FakeWorkers:
     async def dispatch(self, worker_id: str, msg: Dispatch) -> DispatchAnswer:
         self._check(worker_id)
         self.calls.append(("dispatch", worker_id, (msg.spec.req_id, msg.prefill_worker_id)))
+        self.hashes[msg.spec.req_id] = msg.block_hashes
         if self.free[worker_id] < msg.num_blocks:
             return DispatchAnswer(msg.spec.req_id, False, self.free[worker_id])
         self.free[worker_id] -= msg.num_blocks
@@ -107,6 +110,9 @@ def test_accepted_requests_are_dispatched_in_domain_and_answers_move_them() -> N
             assert dwid[-1] == pwid[-1]  # the decode worker is in its prefill worker's domain
         assert all(gs.core.get(f"r{i}").state is RequestState.PREFILLING for i in range(4))
         assert gs.transfers_by_class["same_domain"] == 4
+        # The prompt is hashed once, here, and its hashes go with the dispatch.
+        assert w.hashes["r0"] == tuple(compute_block_hashes(list(range(40)), BS))
+        assert len(w.hashes["r0"]) == 40 // BS
         await gs.close()
 
     asyncio.run(go())

@@ -31,6 +31,7 @@ from kvtransfer import (
     TransferState,
 )
 from prefill_pool.worker import PrefillWorker
+from scheduler.block_hashes import compute_block_hashes
 from scheduler.messages import (
     GenerationSpec,
     Prefilled,
@@ -110,8 +111,9 @@ async def start(rig: Rig, req_id: str, num_tokens: int, tier: int) -> None:
     slots = list(range(rig.next_slot, rig.next_slot + n))
     rig.next_slot += n
     ticket = rig.consumer.expect(req_id, slots)
-    refusal = await rig.worker.start_request(StartPrefill(_spec(req_id, num_tokens, tier),
-                                                          "decode-0", ticket))
+    spec = _spec(req_id, num_tokens, tier)  # the dispatch carries the prompt's hashes
+    hashes = tuple(compute_block_hashes(list(spec.prompt_token_ids), BS))
+    refusal = await rig.worker.start_request(StartPrefill(spec, "decode-0", ticket, hashes))
     assert refusal is None
 
 

@@ -276,6 +276,18 @@ def test_a_migration_in_restreams_its_output_and_decodes() -> None:
     assert [ev for ev in core.events if ev.req_id == "n"] == []
 
 
+def test_a_request_the_engine_cannot_take_over_ends_alone() -> None:
+    core = make_core()
+    core.receive(request("a"), (1,), "p0", 1.0, spec=spec("a"))
+    core.first_token(Prefilled("a", 1, None, 1.1), 1.1)
+    assert core.cannot_join("a", "too long", 1.2) == "invalid: too long"
+    core.receive(request("m"), (1,), "d1", 1.0, spec=spec("m"),
+                 migrated_in=MigrateIn(spec("m"), (1,), 40, "d1"))
+    assert core.cannot_join("m", "too long", 1.2) == "worker_failed"  # its router retries
+    assert [(ev.req_id, ev.reason) for ev in core.events] == [("a", "invalid"),
+                                                              ("m", "worker_failed")]
+
+
 def test_a_dead_prefill_worker_takes_only_what_has_not_arrived() -> None:
     core = make_core()
     for rid in ("a", "b", "c"):
