@@ -19,6 +19,7 @@ from engine import service
 from engine.aio import Reporter, Streams, step_loop, wait_event
 from engine.ports import EnginePort
 from kvtransfer.ports import KVReceiver, KVSender, arrived, done_transfers
+from scheduler import worker_core as wc
 from scheduler.links import LinkModel
 from scheduler.messages import (
     Dispatch,
@@ -37,15 +38,6 @@ from scheduler.preemption import PreemptMode
 from scheduler.step_costs import StepCosts
 from scheduler.step_planner import WorkerLimits, WorkerScheduler
 from scheduler.topology import WorkerInfo
-from scheduler.worker_core import (
-    DecodeCore,
-    KVVerdict,
-    Release,
-    SendVerdict,
-    Stage,
-    eviction_order,
-    kernel_request,
-)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +66,7 @@ class DecodeWorker:
         self._start_prefill = start_prefill
         self._migrate = migrate
         self.control_interval_s = control_interval_s
-        self.core = DecodeCore(info.worker_id, WorkerScheduler.with_limits(
+        self.core = wc.DecodeCore(info.worker_id, WorkerScheduler.with_limits(
             info, policy, costs, limits), bytes_per_block=service.bytes_per_block(engine),
             links=links, can_migrate=producer is not None and migrate is not None)
         self._thread = service.EngineThread(f"decode-{info.worker_id}", engine.books)
@@ -110,7 +102,7 @@ class DecodeWorker:
         if (why := core.refusal(rid)) is not None:
             return self._answer(rid, False, why)
         prompt = list(spec.prompt_token_ids)
-        req = kernel_request(spec, msg.block_hashes)
+        req = wc.kernel_request(spec, msg.block_hashes)
         if msg.prefill_worker_id is None:
             refusal, cached, nblocks = await self._thread.call(service.admit_here, self.engine,
                                                                rid, spec)
@@ -165,17 +157,20 @@ class DecodeWorker:
         await self._release(req_id, self.core.abort(req_id, time.time(), error))
         self._flush()
 
-    async def _release(self, rid: str, release: Release) -> None:
-        if release is Release.END_TRANSFER:
+    async def _release(self, rid: str, release: wc.Release) -> None:
+        if release is wc.Release.END_TRANSFER:
             self.consumer.abort(rid)
             await self._drain(rid)
-        elif release is Release.STOP_SENDING:
-            if self.producer is not None:
-                self.producer.abort(rid)  # no new read of its blocks from here on
-                self.producer.forget(rid)
-            await self._thread.call(self.engine.abort, rid)
-        elif release is Release.FREE:
-            await self._thread.call(self.engine.abort, rid)
+            return
+        if release is wc.Release.STOP_SENDING and self.producer is not None:
+            self.producer.abort(rid)  # no new read of its blocks from here on
+            self.producer.forget(rid)
+        if release is not wc.Release.NOTHING:
+            self._free(rid)
+
+    def _free(self, rid: str) -> None:
+        """Its blocks go back after the step in flight; an abort is answered at once."""
+        self._thread.post(self.engine.abort, rid)
 
     async def _drain(self, rid: str) -> None:
         """Free a draining reservation once nothing can land in it any more."""
@@ -186,7 +181,7 @@ class DecodeWorker:
         if status is not None:
             self.consumer.forget(rid)
         self.core.drained(rid, time.time())
-        await self._thread.call(self.engine.abort, rid)
+        self._free(rid)
 
     async def preempt(self, req_id: str, mode: PreemptMode, for_req_id: str | None,
                       target_worker_id: str | None = None) -> bool:
@@ -203,7 +198,7 @@ class DecodeWorker:
             return await self._migrate_out(req_id, for_req_id, target_worker_id or "")
         free_before = self.engine.num_free_blocks
         done, n, seconds = await self._thread.call(
-            service.evict, self.engine, req_id, lambda forked: eviction_order(mode, forked))
+            service.evict, self.engine, req_id, lambda forked: wc.eviction_order(mode, forked))
         ok = self.core.evicted(req_id, done, for_req_id, time.time(), num_blocks=n,
                                seconds=seconds, num_freed=self.engine.num_free_blocks - free_before)
         self._wake.set()
@@ -247,7 +242,7 @@ class DecodeWorker:
             rid, msg.num_computed, list(spec.prompt_token_ids + msg.output_token_ids))
         if refusal is not None:
             return MigrateAnswer(rid, None, refusal)
-        self.core.receive(kernel_request(spec), blocks, msg.from_worker_id, time.time(),
+        self.core.receive(wc.kernel_request(spec), blocks, msg.from_worker_id, time.time(),
                           spec=spec, migrated_in=msg)
         self._wake.set()
         self._reporter.soon()
@@ -311,31 +306,31 @@ class DecodeWorker:
         """Drained reservations freed, migrations out handed off (or recomputed), KV that
         arrived joined to the engine."""
         core = self.core
-        for rid in core.ids(Stage.DRAINING):
+        for rid in core.ids(wc.Stage.DRAINING):
             await self._drain(rid)
         for rid in core.sending():
             assert self.producer is not None
             st = self.producer.poll(rid)
             verdict = core.send_progress(rid, arrived(st) if st is not None else False)
-            if verdict is SendVerdict.WAIT:
+            if verdict is wc.SendVerdict.WAIT:
                 continue
             if st is not None:
                 self.producer.forget(rid)
-            if verdict is SendVerdict.FALL_BACK:
+            if verdict is wc.SendVerdict.FALL_BACK:
                 await self._fall_back(rid, "transfer " + ("lost" if st is None else st.state.value))
                 continue
             free_before = self.engine.num_free_blocks
             await self._thread.call(self.engine.abort, rid)
             core.handed_off(rid, self.engine.num_free_blocks - free_before, time.time())
-        for rid in core.ids(Stage.RECEIVING):
+        for rid in core.ids(wc.Stage.RECEIVING):
             st = self.consumer.poll(rid)
             verdict = core.kv_progress(rid, arrived(st), time.time())
-            if verdict in (KVVerdict.ENDED, KVVerdict.DROPPED):
-                await self._release(rid, Release.END_TRANSFER)
-            elif verdict is KVVerdict.FAILED:
+            if verdict in (wc.KVVerdict.ENDED, wc.KVVerdict.DROPPED):
+                await self._release(rid, wc.Release.END_TRANSFER)
+            elif verdict is wc.KVVerdict.FAILED:
                 log.warning("transfer of %s failed: %s", rid, "" if st is None else st.detail)
                 await self.abort(rid, error="transfer_failed")
-            elif verdict is KVVerdict.JOIN:
+            elif verdict is wc.KVVerdict.JOIN:
                 await self._join(rid)
 
     async def _join(self, rid: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from scheduler.prefill_core import PrefillOutput
 from scheduler.worker_core import StepResult
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -62,8 +64,19 @@ class EngineThread:
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._pool, self._bound(fn, args, kwargs))
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn`` and do not wait for it (a failure is logged): a control call that
+        must not wait for the step in flight, such as freeing an aborted request's blocks
+        after the forward that may still read them."""
+        self.submit(fn, *args).add_done_callback(_log_failure)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("engine call failed", exc_info=fut.exception())
 
 
 def sampling_params(spec: GenerationSpec, *, max_tokens: int | None = None) -> SamplingParams:

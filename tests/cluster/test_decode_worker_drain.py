@@ -109,7 +109,10 @@ def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path
             reply = await worker.dispatch(_dispatch("r2", 8))
             assert reply.ok
             records["r2"] = consumer.table.get("r2")
-            await worker.abort("r2")
+            await worker.abort("r2")  # answered before the engine thread frees the blocks
+            deadline = time.monotonic() + 10
+            while engine.num_free_blocks < total and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             assert engine.num_free_blocks == total and freed[-1] == (True, True)
         finally:
             await worker.stop()
