@@ -885,7 +885,7 @@ class DecodeWorker:
         for s in self.consumer.drain_stats():
             if s.state is TransferState.DONE:
                 self._transfers.append(TransferStat(s.req_id, s.num_bytes, s.duration_s,
-                                                    s.end_time, s.topology.value))
+                                                    s.end_time, s.topology))
         if self.producer is not None:  # migrations out: whole transfers, a link's pace
             for s in self.producer.drain_stats():
                 if s.state is TransferState.DONE and s.num_bytes:

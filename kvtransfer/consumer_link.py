@@ -47,7 +47,7 @@ from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, W
 from kvtransfer.buffers import Frame, PoolView, Slab, SlabPool, crc32
 from kvtransfer.layout import dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
-from kvtransfer.state import FailReason, Location, Side, TransferState
+from kvtransfer.state import FailReason, Side, TransferState
 from kvtransfer.transfers import TransferRecord
 
 if TYPE_CHECKING:
@@ -129,18 +129,17 @@ class ConsumerLink:
         owner, cfg = self._owner, self._owner.config
         hello = self._hello
         try:
-            location = Location.from_wire(hello.location)
             self._rev = owner._rev_queue
             self._channel = owner._backend.open_channel(
                 owner._server, self.pair, 1, owner.layout.device, owner.location.host,
                 cfg.connect_timeout_s)
             fwd = None if self._channel.can_prepost else owner._backend.open_queue(
                 hello.server, cfg.connect_timeout_s)
-        except (ChannelError, ValueError, KeyError, TypeError) as exc:
+        except (ChannelError, ValueError) as exc:
             log.error("kvtransfer consumer: pair %s could not be set up: %s", self.pair, exc)
             self._teardown(FailReason.CONNECT_FAILED, str(exc))
             return
-        self._topology = owner.location.topology_to(location)
+        self._topology = owner.location.topology_to(hello.location)
         self._backend_name = self._channel.backend_name
         if owner.layout.device.type == "cuda":
             torch.cuda.set_device(owner.layout.device)

@@ -39,6 +39,7 @@ from kvtransfer.layout import dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferState
 from kvtransfer.transfers import TransferRecord
+from scheduler.messages import KVEndpoint
 
 if TYPE_CHECKING:
     from kvtransfer.producer import KVProducer
@@ -51,10 +52,11 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)  # the flush message
 class ProducerLink:
     """One consumer's pair: its process group (rank 0), the fwd stream, its rev queue."""
 
-    def __init__(self, owner: KVProducer, consumer: dict[str, Any]) -> None:
+    def __init__(self, owner: KVProducer, consumer: KVEndpoint, secret: str) -> None:
         self._owner = owner
-        self.consumer_id = str(consumer["endpoint_id"])
+        self.consumer_id = consumer.endpoint_id
         self._consumer = consumer
+        self._secret = secret  # the ticket's: proves to the consumer that we hold one
         self.pair = f"{owner.endpoint_id}-{uuid.uuid4().hex[:8]}"
         self.dead = False
         self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -192,17 +194,17 @@ class ProducerLink:
 
     def _connect(self) -> None:
         owner, cfg = self._owner, self._owner.config
-        backend, server = owner._backend, self._consumer["server"]
+        backend, server = owner._backend, self._consumer.server
         # Every connection of ours to the consumer's server is up before the Hello: the
         # consumer only connects after reading it (simultaneous connects to one TCPStore
         # server were seen to stall one of them for seconds).
         self._fwd = backend.open_queue(owner._server, cfg.connect_timeout_s)
         accept = backend.open_queue(server, cfg.connect_timeout_s)
         rev = backend.open_queue(server, cfg.connect_timeout_s)
-        proof = auth.pair_proof(str(self._consumer["secret"]), self.pair, owner.endpoint_id)
+        proof = auth.pair_proof(self._secret, self.pair, owner.endpoint_id)
         hello = wire.encode(wire.Hello(
-            self.pair, owner.endpoint_id, dict(owner._server), owner.location.to_wire(),
-            owner.layout.to_wire(), proof))
+            self.pair, owner.endpoint_id, owner._server, owner.location, owner.layout.shape(),
+            proof))
         channel = backend.open_channel(server, self.pair, 0, owner.layout.device,
                                        owner.location.host, cfg.connect_timeout_s,
                                        on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello))
