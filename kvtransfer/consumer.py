@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from kvtransfer import auth, wire
 from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError
-from kvtransfer.consumer_link import ConsumerLink
+from kvtransfer.consumer_link import ConsumerContext, ConsumerLink
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments, segment_blocks_for
@@ -99,6 +99,11 @@ class KVConsumer:
         # fewer connections to set up per pair).
         self._rev_queue = self._backend.open_queue(self._server, self.config.connect_timeout_s)
         self._rev_lock = threading.Lock()
+        self._link_context = ConsumerContext(
+            table=self._table, store=store, layout=self.layout, config=self.config,
+            segment_blocks=self.segment_blocks, backend=self._backend, server=self._server,
+            location=self.location, rev_queue=self._rev_queue, rev_lock=self._rev_lock,
+            end=self.end, is_closed=self._closed.is_set, drop_link=self._drop_link)
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kvx-accept-{self.endpoint_id}")
         self._accept_thread.start()
@@ -233,7 +238,7 @@ class KVConsumer:
                             msg.producer_id[:64])
                 continue
             self._pairs_seen.add(msg.pair)
-            link = ConsumerLink(self, msg)
+            link = ConsumerLink(self._link_context, msg)
             with self._links_lock:
                 old = self._links.pop(msg.pair, None)
                 self._links[msg.pair] = link

@@ -41,7 +41,7 @@ from kvtransfer.backend import Backend
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments
-from kvtransfer.producer_link import ProducerLink
+from kvtransfer.producer_link import ProducerContext, ProducerLink
 from kvtransfer.state import (
     FailReason,
     KVLocation,
@@ -88,6 +88,11 @@ class KVProducer:
         self._links_lock = threading.Lock()
         self._closed = False
         self._keepalive_s = keepalive_interval_s(self.config)
+        self._link_context = ProducerContext(
+            endpoint_id=self.endpoint_id, table=self._table, store=store, layout=self.layout,
+            config=self.config, backend=self._backend, server=self._server,
+            location=self.location, fail_overdue=self.fail_overdue,
+            is_closed=lambda: self._closed, drop_link=self._drop_link)
         self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
 
     # -- public API ---------------------------------------------------------------------------
@@ -233,7 +238,7 @@ class KVProducer:
         with self._links_lock:
             link = self._links.get(consumer.endpoint_id)
             if link is None or link.dead:
-                link = ProducerLink(self, consumer, secret)
+                link = ProducerLink(self._link_context, consumer, secret)
                 self._links[consumer.endpoint_id] = link
                 link.start()
             return link
