@@ -711,18 +711,36 @@ class HeldRequest:
     num_prefill_left: int = 0
 
 
+@message("wset")
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """Where a worker runs and what its engine holds, as it set up (``cluster.worker_actors``).
+    The scheduler builds the worker's ``WorkerInfo`` from it; the driver reads the same as a
+    document (``cluster.messages.setup_document``)."""
+
+    node: str
+    device: str  # "cpu", "cuda:0", ...
+    nvlink_domain: str
+    num_total_blocks: int
+    num_free_blocks: int
+    bytes_per_block: int
+    max_model_len: int
+    ray_node_id: str = ""
+    pid: int = 0
+
+
 @message("hello")
 @dataclass(frozen=True, slots=True)
 class WorkerHello:
     """Worker -> scheduler once it has set up, and again whenever the scheduler answers a
-    report with "unknown" (it restarted): who it is, where it runs (``info``: the setup
-    document, ``cluster.worker_actors``) and what it holds. ``incarnation`` is new with
-    every start of the worker's process, so a restart is never mistaken for the old one."""
+    report with "unknown" (it restarted): who it is, where it runs and what its engine holds
+    (``info``) and which requests it holds. ``incarnation`` is new with every start of the
+    worker's process, so a restart is never mistaken for the old one."""
 
     worker_id: str
     role: str
     incarnation: str
-    info: dict[str, Any]
+    info: WorkerSetup
     held: tuple[HeldRequest, ...] = ()
 
 
