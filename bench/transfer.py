@@ -25,6 +25,7 @@ that staging against the same raw messages.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -42,8 +43,9 @@ from kvtransfer.consumer import KVConsumer
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, TensorKVStore
 from kvtransfer.producer import KVProducer
-from kvtransfer.state import Location, TransferConfig, TransferState
+from kvtransfer.state import KVLocation, TransferConfig, TransferState
 from kvtransfer.testing import make_layout, wait_terminal
+from scheduler.messages import KVTicket, decode, encode
 
 MB = 1 << 20
 SIZES = {"1MB": 1 * MB, "16MB": 16 * MB, "256MB": 256 * MB}
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     stream_spec = None
     if engine is not None:
         pool_layout = KVLayout.of(engine.pool.kv_layout())
-        stream_spec = {**pool_layout.to_wire(), "device": _peer_device(args.device),
+        stream_spec = {**dataclasses.asdict(pool_layout.shape()), "device": _peer_device(args.device),
                        "num_blocks": _num_blocks_for_prompt(args.prompt_tokens, pool_layout) + 1}
     result: dict[str, Any] = {"backend": "nccl" if args.device.startswith("cuda") else "gloo",
                               "device": args.device, "layout": {**spec, "device": args.device},
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     peer = _Peer(conn)
     producer = KVProducer(TensorKVStore(layout, num_blocks, fill="random",
                                         layer_major=args.layer_major),
-                          location=Location("bench-node", args.device),
+                          location=KVLocation("bench-node", args.device),
                           config=TransferConfig(part_bytes=args.part_bytes),
                           backend=DistBackend())
     try:
@@ -216,7 +218,7 @@ def _time_transfer(producer: KVProducer, peer: _Peer, nblocks: int, rep: int,
         slots = list(range(2 * nblocks - 1, 0, -2))
     req = f"bench-{nblocks}-{rep}-{time.monotonic_ns()}"
     ticket = peer.call("expect", req_id=req, block_ids=slots)["ticket"]
-    producer.begin(ticket)
+    producer.begin(decode(ticket, expect=KVTicket))
     time.sleep(0.02)  # the Open is delivered: the consumer waits like a reserved decode
     t0 = time.time()
     producer.push(req, list(range(nblocks)))
@@ -242,7 +244,7 @@ def _streaming(engine: Any, peer: _Peer, prompt_tokens: int, device: str) -> dic
     from engine import SamplingParams
 
     pool = engine.pool
-    producer = KVProducer(pool, location=Location("bench-node", device), backend=DistBackend())
+    producer = KVProducer(pool, location=KVLocation("bench-node", device), backend=DistBackend())
     try:
         layout = KVLayout.of(pool.kv_layout())
         nblocks = _num_blocks_for_prompt(prompt_tokens, layout)
@@ -252,7 +254,7 @@ def _streaming(engine: Any, peer: _Peer, prompt_tokens: int, device: str) -> dic
         req = "bench-stream"
         ticket = peer.call("expect", req_id=req, block_ids=list(range(1, nblocks + 1)),
                            pool="stream")["ticket"]
-        producer.begin(ticket)
+        producer.begin(decode(ticket, expect=KVTicket))
         time.sleep(0.05)
         engine.add_request(req, prompt, SamplingParams(max_tokens=1), prefill_only=True)
         t_start = time.time()
@@ -351,7 +353,7 @@ def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
                    part_bytes: int, layer_major: bool) -> None:
     torch.set_num_threads(threads)
     layout = make_layout(spec)
-    location = Location("bench-node", spec["device"])
+    location = KVLocation("bench-node", spec["device"])
     config = TransferConfig(part_bytes=part_bytes)
     consumers = {"sizes": KVConsumer(TensorKVStore(layout, num_blocks, layer_major=layer_major),
                                      location=location, config=config, backend=DistBackend())}
@@ -370,7 +372,8 @@ def _consumer_main(conn: Any, spec: dict[str, Any], num_blocks: int,
         op = cmd["op"]
         consumer = consumers[cmd.get("pool", "sizes")]
         if op == "expect":
-            reply: dict[str, Any] = {"ticket": consumer.expect(cmd["req_id"], cmd["block_ids"])}
+            reply: dict[str, Any] = {
+                "ticket": encode(consumer.expect(cmd["req_id"], cmd["block_ids"]))}
         elif op == "end_time":
             status = wait_terminal(consumer, cmd["req_id"], 120)
             stats = [s for s in consumer.drain_stats() if s.req_id == cmd["req_id"]]

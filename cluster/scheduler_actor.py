@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.global_scheduler import GlobalScheduler, GoneReason, WorkerGone
-from cluster.messages import pack
+from cluster.messages import pack, setup_document
 from cluster.supervisor import ProgressWatch, Verdict
 from scheduler.cluster_scheduler import PoolMode
 from scheduler.links import prior_link_costs
@@ -57,6 +57,7 @@ from scheduler.messages import (
     SubmitOutcome,
     WorkerHello,
     WorkerReport,
+    WorkerSetup,
     decode,
     encode,
 )
@@ -175,9 +176,9 @@ class SchedulerService:
 
     # -- registration --------------------------------------------------------------------
 
-    def _make_core(self, info: dict[str, Any]) -> GlobalScheduler:
-        bpb = int(info.get("bytes_per_block", 0)) or 1 << 16
-        device = str(info["location"]["device"])
+    def _make_core(self, info: WorkerSetup) -> GlobalScheduler:
+        bpb = info.bytes_per_block or 1 << 16
+        device = info.device
         p = self.cfg.pools
         return GlobalScheduler(self.cfg.tier_config, self.cfg.scheduling.policy,
                                p.block_size, self.client, prior_link_costs(bpb, device),
@@ -202,15 +203,13 @@ class SchedulerService:
             return HelloAnswer()  # a repeated hello (its first answer was lost)
         adopt = wid not in self.incarnations
         self.incarnations[wid] = hello.incarnation
-        self.infos[wid] = dict(hello.info)
+        self.infos[wid] = setup_document(wid, hello.role, hello.info)
         i = hello.info
-        loc = i["location"]
         role = WorkerRole(hello.role)
-        info = WorkerInfo(wid, role, str(loc["node"]), str(loc["device"]),
-                          str(loc["nvlink_domain"]), int(i["num_total_blocks"]))
+        info = WorkerInfo(wid, role, i.node, i.device, i.nvlink_domain, i.num_total_blocks)
         decodes = role is WorkerRole.DECODE
         mode = self.core.core.mode
-        drop = self.core.rejoin(info, int(i["num_free_blocks"]),
+        drop = self.core.rejoin(info, i.num_free_blocks,
                                 can_prefill=not decodes or mode is not PoolMode.DISAGGREGATED,
                                 can_decode=decodes, held=hello.held, adopt=adopt)
         if not decodes:

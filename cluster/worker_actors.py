@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.messages import pack
+from cluster.messages import pack, setup_document
 from engine.service import bytes_per_block
 from scheduler.messages import (
     AbortBatch,
@@ -40,6 +40,7 @@ from scheduler.messages import (
     PrefilledBatch,
     StartPrefill,
     WorkerHello,
+    WorkerSetup,
     decode,
     encode,
 )
@@ -51,17 +52,17 @@ class WorkerStarting(RuntimeError):
     """Called before the worker finished setting up (its process just restarted)."""
 
 
-def _info(worker: Any, role: str) -> dict[str, Any]:
+def _setup(worker: Any) -> WorkerSetup:
     import ray
 
-    return {"worker_id": worker.worker_id, "role": role,
-            "location": worker.location.to_dict(),
-            "num_total_blocks": worker.engine.num_total_blocks,
-            "num_free_blocks": worker.engine.num_free_blocks,
-            "bytes_per_block": bytes_per_block(worker.engine),
-            "max_model_len": int(worker.engine.max_model_len),
-            "ray_node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid()}
+    loc = worker.location
+    return WorkerSetup(node=loc.node, device=loc.device, nvlink_domain=loc.nvlink_domain,
+                       num_total_blocks=worker.engine.num_total_blocks,
+                       num_free_blocks=worker.engine.num_free_blocks,
+                       bytes_per_block=bytes_per_block(worker.engine),
+                       max_model_len=int(worker.engine.max_model_len),
+                       ray_node_id=str(ray.get_runtime_context().get_node_id()),
+                       pid=os.getpid())
 
 
 class _WorkerActorBase:
@@ -105,11 +106,11 @@ class _WorkerActorBase:
             raise
         self.link.bind(self._hello, self._drop)
         await self.link.register()
-        return pack(_info(self._w, self.role))
+        return pack(setup_document(self.worker_id, self.role, _setup(self._w)))
 
     def _hello(self) -> WorkerHello:
         return WorkerHello(self.worker_id, self.role, self.incarnation,
-                           _info(self._w, self.role), self._w.held_requests())
+                           _setup(self._w), self._w.held_requests())
 
     async def _drop(self, req_ids: tuple[str, ...]) -> None:
         for rid in req_ids:

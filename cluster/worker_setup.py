@@ -65,14 +65,14 @@ def worker_policy(cfg: ClusterConfig, engine: Any, costs: StepCosts,
 def _transfer_endpoint(kind: str, engine: Any, location: Any) -> Any:
     import ray
 
-    from kvtransfer import KVConsumer, KVProducer, Location, TransferConfig
+    from kvtransfer import KVConsumer, KVLocation, KVProducer, TransferConfig
 
     try:
         host = ray.util.get_node_ip_address()
     except Exception:  # outside Ray
         host = "127.0.0.1"
-    loc = Location(node_id=location.node, device=location.device,
-                   nvlink_domain=location.nvlink_domain, host=host)
+    loc = KVLocation(node_id=location.node, device=location.device,
+                     nvlink_domain=location.nvlink_domain, host=host)
     # The timeouts are for a hung peer (a dead one is seen at once): a transfer whose prompt
     # the prefill worker holds back (queued, or paused between chunks while more urgent
     # prompts run) is kept alive by its keepalives, so the defaults need no padding for it

@@ -5,7 +5,8 @@ prefill side (producer) streams blocks into exactly those slots as its prefill c
 No Ray and no engine import here: the pool is reached through :class:`KVStore` (a Protocol the
 engine's ``BlockPool`` satisfies structurally: one contiguous tensor, block-major with a block
 ``kv[block_id]``, or layer-major ``[layers, 2, blocks, ...]`` where ``block_major`` is False)
-and the control plane only carries small msgpack-able dicts (the ticket).
+and the control plane only carries the ticket, a typed message (``scheduler.messages.KVTicket``,
+with the consumer's ``KVEndpoint``: server, ``KVLocation``, ``KVPoolShape``).
 
 Life of a transfer (both sides keep one record per request id)::
 
@@ -24,11 +25,11 @@ Life of a transfer (both sides keep one record per request id)::
 
 Public API::
 
-    from kvtransfer import (KVConsumer, KVProducer, TransferConfig, Location, KVLayout, KVStore,
+    from kvtransfer import (KVConsumer, KVProducer, TransferConfig, KVLocation, KVLayout, KVStore,
                             TensorKVStore, TransferState, TransferStatus, TransferStats,
                             FailReason, Side, TopologyClass, DistBackend, MockBackend, MockHub)
 
-    loc = Location(node_id="n0", device="cpu", nvlink_domain=None, host="127.0.0.1")
+    loc = KVLocation(node_id="n0", device="cpu", nvlink_domain=None, host="127.0.0.1")
     cfg = TransferConfig(stall_timeout_s=10.0, start_timeout_s=120.0, connect_timeout_s=30.0,
                          part_bytes=8 << 20, max_in_flight_parts=4, checksum=False)
 
@@ -37,8 +38,9 @@ Public API::
     ticket = consumer.expect(req_id, block_ids, present=())  # CPU, NCCL on CUDA) or MockBackend
         # block_ids: the reserved slots in prompt order; present: positions (indices into
         # block_ids) already valid there (prefix hits) -- they are never sent.
-        # ticket: a msgpack-able dict (slots, present, tag, segment size, our address) to hand
-        # to the producer through the control plane.
+        # ticket: a KVTicket (slots, present, tag, segment size, our KVEndpoint, the pair
+        # secret) to hand to the producer through the control plane (scheduler.messages
+        # encode/decode; StartPrefill and MigrateAnswer carry it).
     consumer.poll(req_id) -> TransferStatus | None           # never blocks
     consumer.abort(req_id) -> bool; consumer.forget(req_id) -> TransferStatus | None
     consumer.drain_stats() -> list[TransferStats]; consumer.close()
@@ -46,6 +48,7 @@ Public API::
     # prefill worker
     producer = KVProducer(pool, location=loc, config=cfg)
     producer.begin(ticket)                                   # never blocks; bad ticket: ValueError
+        # (every field checked: it comes from another process, kvtransfer.ticket)
     producer.push(req_id, src_block_ids, first_position=None)  # blocks in prompt order, as each
         # chunk finishes (engine StepOutput.ready_block_ids); returns at once: the finished
         # segments are sent from push itself when the pair is idle, else by its sender thread,
@@ -55,11 +58,13 @@ Public API::
         # chunks by the policy): call it every turn of the caller's loop while they do
     producer.poll / abort / forget / drain_stats as above; producer.disconnect(consumer_id);
     producer.close()
-    consumer.address() / producer.address() -> dict; .endpoint_id; .peers() -> list[str]
+    consumer.address() / producer.address() -> KVEndpoint; .endpoint_id; .peers() -> list[str]
 
     TransferStatus(state: TransferState, reason: FailReason | None, failed_side: Side | None,
                    detail: str, num_blocks_done: int, num_blocks_total: int)
     TransferState: PENDING, TRANSFERRING, DONE, FAILED, ABORTED (.is_terminal)
+    TopologyClass, KVLocation.topology_to: the scheduler's (scheduler.topology.classify), so a
+        transfer's stats carry the class the kernel priced its move by
     TransferStats(req_id, role, topology: TopologyClass, backend, state, num_blocks,
                   num_skipped_blocks, num_bytes, queued_s, duration_s, end_time) .to_dict()
 
@@ -148,7 +153,7 @@ from kvtransfer.mock_backend import MockBackend, MockHub
 from kvtransfer.producer import KVProducer
 from kvtransfer.state import (
     FailReason,
-    Location,
+    KVLocation,
     Side,
     TopologyClass,
     TransferConfig,
@@ -163,9 +168,9 @@ __all__ = [
     "FailReason",
     "KVConsumer",
     "KVLayout",
+    "KVLocation",
     "KVProducer",
     "KVStore",
-    "Location",
     "MockBackend",
     "MockHub",
     "Side",

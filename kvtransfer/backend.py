@@ -12,7 +12,8 @@
   must get its message before its :class:`Work` is dropped: over gloo a message that comes
   for a dropped receive wedges the pair. A wait that times out may break the whole channel
   (gloo closes the pair), so an idle wait is long and a short one means the pair is given up.
-* :class:`Backend` -- builds both from small address dicts.
+* :class:`Backend` -- builds both from an endpoint's server address
+  (``scheduler.messages.KVServer``, a typed message: it travels in tickets and hellos).
 
 Implementations: :class:`kvtransfer.dist_backend.DistBackend` (TCPStore + ProcessGroupGloo /
 ProcessGroupNCCL) and :class:`kvtransfer.mock_backend.MockBackend` (in-process).
@@ -21,9 +22,11 @@ ProcessGroupNCCL) and :class:`kvtransfer.mock_backend.MockBackend` (in-process).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+
+from scheduler.messages import KVServer
 
 FRAME_TAG = 2  # fwd messages as frames (channels with can_prepost)
 CLOSE_TAG = 3  # a receive nobody sends to: DistChannel.close times out on it
@@ -75,11 +78,11 @@ class MessageQueue(Protocol):
 class Backend(Protocol):
     name: str  # "dist" | "mock"
 
-    def listen(self, host: str) -> dict[str, Any]:
-        """Start this endpoint's rendezvous server; returns its msgpack-able address."""
+    def listen(self, host: str) -> KVServer:
+        """Start this endpoint's rendezvous server; returns its address."""
         ...
 
-    def open_queue(self, address: dict[str, Any], timeout_s: float) -> MessageQueue:
+    def open_queue(self, address: KVServer, timeout_s: float) -> MessageQueue:
         """A new client connection to the server at ``address``."""
         ...
 
@@ -87,7 +90,7 @@ class Backend(Protocol):
 
     def open_channel(
         self,
-        address: dict[str, Any],
+        address: KVServer,
         pair: str,
         rank: int,
         device: torch.device,

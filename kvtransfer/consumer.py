@@ -36,17 +36,16 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 from kvtransfer import auth, wire
 from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError
-from kvtransfer.consumer_link import ConsumerLink
+from kvtransfer.consumer_link import ConsumerContext, ConsumerLink
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments, segment_blocks_for
 from kvtransfer.state import (
     FailReason,
-    Location,
+    KVLocation,
     Side,
     TransferConfig,
     TransferState,
@@ -58,6 +57,7 @@ from kvtransfer.transfers import (
     TransferTable,
     Watchdog,
 )
+from scheduler.messages import KVEndpoint, KVTicket
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ class KVConsumer:
         self,
         store: KVStore,
         *,
-        location: Location | None = None,
+        location: KVLocation | None = None,
         config: TransferConfig | None = None,
         backend: Backend | None = None,
     ) -> None:
         self._store = store
         self.layout = KVLayout.of(store.kv_layout())
         check_pool(store, self.layout)
-        self.location = location or Location(socket.gethostname(), str(self.layout.device))
+        self.location = location or KVLocation(socket.gethostname(), str(self.layout.device))
         self.config = config or TransferConfig()
         self._backend = backend or DistBackend()
         self.endpoint_id = f"c-{uuid.uuid4().hex[:12]}"
@@ -99,6 +99,11 @@ class KVConsumer:
         # fewer connections to set up per pair).
         self._rev_queue = self._backend.open_queue(self._server, self.config.connect_timeout_s)
         self._rev_lock = threading.Lock()
+        self._link_context = ConsumerContext(
+            table=self._table, store=store, layout=self.layout, config=self.config,
+            segment_blocks=self.segment_blocks, backend=self._backend, server=self._server,
+            location=self.location, rev_queue=self._rev_queue, rev_lock=self._rev_lock,
+            end=self.end, is_closed=self._closed.is_set, drop_link=self._drop_link)
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"kvx-accept-{self.endpoint_id}")
         self._accept_thread.start()
@@ -106,16 +111,12 @@ class KVConsumer:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def address(self) -> dict[str, Any]:
-        return {
-            "endpoint_id": self.endpoint_id,
-            "backend": self._backend.name,
-            "server": dict(self._server),
-            "location": self.location.to_wire(),
-            "layout": self.layout.to_wire(),
-        }
+    def address(self) -> KVEndpoint:
+        return KVEndpoint(endpoint_id=self.endpoint_id, backend=self._backend.name,
+                          server=self._server, location=self.location, layout=self.layout.shape())
 
-    def expect(self, req_id: str, block_ids: Sequence[int], present: Sequence[int] = ()) -> dict:
+    def expect(self, req_id: str, block_ids: Sequence[int],
+               present: Sequence[int] = ()) -> KVTicket:
         """Register reserved slots for ``req_id``; returns the ticket for the producer."""
         if self._closed.is_set():
             raise RuntimeError("consumer is closed")
@@ -134,9 +135,9 @@ class KVConsumer:
         self._table.add(record)
         if record.num_total == 0:
             self._table.finish(record, TransferState.DONE, detail="every block was present")
-        return {"req_id": req_id, "block_ids": ids, "present": sorted(hits), "tag": tag,
-                "segment_blocks": self.segment_blocks,
-                "consumer": {**self.address(), "secret": self._secret}}
+        return KVTicket(req_id=req_id, block_ids=tuple(ids), present=tuple(sorted(hits)),
+                        tag=tag, segment_blocks=self.segment_blocks, consumer=self.address(),
+                        secret=self._secret)
 
     def poll(self, req_id: str) -> TransferStatus | None:
         return self._table.status(req_id)
@@ -237,7 +238,7 @@ class KVConsumer:
                             msg.producer_id[:64])
                 continue
             self._pairs_seen.add(msg.pair)
-            link = ConsumerLink(self, msg)
+            link = ConsumerLink(self._link_context, msg)
             with self._links_lock:
                 old = self._links.pop(msg.pair, None)
                 self._links[msg.pair] = link

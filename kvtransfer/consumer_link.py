@@ -1,7 +1,9 @@
 """One producer-consumer pair, consumer side: the reader thread and the segment waiters.
 
 Owned by :class:`kvtransfer.consumer.KVConsumer` (one link per producer pair); see that
-module for the transfer's life. Every segment (kvtransfer.plan) is received with one receive
+module for the transfer's life. The consumer imports this module, never the reverse: what a
+link uses of it (the table, the pool, the shared rev queue, ``end``) comes in one
+:class:`ConsumerContext` at construction. Every segment (kvtransfer.plan) is received with one receive
 on the transfer's own tag: straight into its reserved slots in a block-major pool; into a
 staging slab in a layer-major pool, scattered into the slots (one copy) once that receive has
 completed and only while the transfer is not ending (kvtransfer.buffers):
@@ -37,21 +39,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from kvtransfer import wire
-from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
+from kvtransfer.backend import FRAME_TAG, Backend, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import Frame, PoolView, Slab, SlabPool, crc32
-from kvtransfer.layout import dtype_to_wire
+from kvtransfer.layout import KVLayout, KVStore, dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
-from kvtransfer.state import FailReason, Location, Side, TransferState
-from kvtransfer.transfers import TransferRecord
-
-if TYPE_CHECKING:
-    from kvtransfer.consumer import KVConsumer
+from kvtransfer.state import FailReason, Side, TransferConfig, TransferState
+from kvtransfer.transfers import TransferRecord, TransferTable
+from scheduler.messages import KVLocation, KVServer
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +61,50 @@ _IDLE_WAIT_S = 7 * 24 * 3600.0  # a posted receive waits this long (a timeout cl
 _WAITER_GRACE_S = 2.0  # after closing a pair, how long its waiters get to wake
 
 
+class EndTransfer(Protocol):
+    """``KVConsumer.end``: end a record now, or once its posted receives have had their
+    messages; False when it already ended or is ending."""
+
+    def __call__(self, record: TransferRecord, state: TransferState, reason: FailReason | None,
+                 side: Side | None, detail: str, *, tell_producer: bool = True) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerContext:
+    """What every link of one consumer shares with it, handed over at construction: the link
+    reads and ends transfers through these and never reaches into the consumer itself."""
+
+    table: TransferTable
+    store: KVStore
+    layout: KVLayout
+    config: TransferConfig
+    segment_blocks: int  # the consumer's segment size (kvtransfer.plan)
+    backend: Backend
+    server: KVServer  # the consumer's own rendezvous server (the pair's group meets there)
+    location: KVLocation
+    rev_queue: MessageQueue  # one connection for every link's messages to its producer
+    rev_lock: threading.Lock  # held while pushing on ``rev_queue``
+    end: EndTransfer
+    is_closed: Callable[[], bool]  # the consumer is closing: live transfers end ABORTED
+    drop_link: Callable[[ConsumerLink], None]  # forget a torn-down link
+
+
 class ConsumerLink:
     """One producer's pair: its process group (rank 1), its fwd reader, our rev queue."""
 
-    def __init__(self, owner: KVConsumer, hello: wire.Hello) -> None:
-        self._owner = owner
+    def __init__(self, ctx: ConsumerContext, hello: wire.Hello) -> None:
+        self._ctx = ctx
         self.pair = hello.pair
         self.producer_id = hello.producer_id
         self._hello = hello
         self._channel: Channel | None = None
         self._rev: MessageQueue | None = None
-        self._rev_lock = owner._rev_lock
+        self._rev_lock = ctx.rev_lock
         self._closing = threading.Event()
-        self._pool = PoolView(owner._store)
+        self._pool = PoolView(ctx.store)
         # layer-major pools: segments are received into slabs (shared by the waiters)
         self._staging = (None if self._pool.block_major
-                         else SlabPool(owner.layout, owner.segment_blocks))
+                         else SlabPool(ctx.layout, ctx.segment_blocks))
         self._scratch: torch.Tensor | None = None  # announced path: drained segments land here
         self._stream: Any = None
         self._topology = None
@@ -126,25 +156,24 @@ class ConsumerLink:
     # -- the reader thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        owner, cfg = self._owner, self._owner.config
+        ctx, cfg = self._ctx, self._ctx.config
         hello = self._hello
         try:
-            location = Location.from_wire(hello.location)
-            self._rev = owner._rev_queue
-            self._channel = owner._backend.open_channel(
-                owner._server, self.pair, 1, owner.layout.device, owner.location.host,
+            self._rev = ctx.rev_queue
+            self._channel = ctx.backend.open_channel(
+                ctx.server, self.pair, 1, ctx.layout.device, ctx.location.host,
                 cfg.connect_timeout_s)
-            fwd = None if self._channel.can_prepost else owner._backend.open_queue(
+            fwd = None if self._channel.can_prepost else ctx.backend.open_queue(
                 hello.server, cfg.connect_timeout_s)
-        except (ChannelError, ValueError, KeyError, TypeError) as exc:
+        except (ChannelError, ValueError) as exc:
             log.error("kvtransfer consumer: pair %s could not be set up: %s", self.pair, exc)
             self._teardown(FailReason.CONNECT_FAILED, str(exc))
             return
-        self._topology = owner.location.topology_to(location)
+        self._topology = ctx.location.topology_to(hello.location)
         self._backend_name = self._channel.backend_name
-        if owner.layout.device.type == "cuda":
-            torch.cuda.set_device(owner.layout.device)
-            self._stream = torch.cuda.Stream(owner.layout.device)
+        if ctx.layout.device.type == "cuda":
+            torch.cuda.set_device(ctx.layout.device)
+            self._stream = torch.cuda.Stream(ctx.layout.device)
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with stream:
             self._read_loop(fwd, Frame() if fwd is None else None)
@@ -197,14 +226,14 @@ class ConsumerLink:
                 return
 
     def _refuse(self, req: str, tag: int, reason: FailReason, side: Side, detail: str) -> None:
-        record = self._owner.table.get(req)
+        record = self._ctx.table.get(req)
         if record is not None and record.link is self and record.tag == tag:
-            self._owner.end(record, TransferState.FAILED, reason, side, detail)
+            self._ctx.end(record, TransferState.FAILED, reason, side, detail)
         else:
             self._push_rev(wire.End(req, TransferState.FAILED, reason, side, detail, tag))
 
     def _on_open(self, msg: wire.Open) -> None:
-        table = self._owner.table
+        table = self._ctx.table
         record = table.get(msg.req)
         if record is None:
             self._push_rev(wire.End(msg.req, TransferState.FAILED, FailReason.UNKNOWN_REQUEST,
@@ -234,7 +263,7 @@ class ConsumerLink:
 
     def _check_open(self, msg: wire.Open, record: TransferRecord) -> str | None:
         """Why the Open does not match the reservation (None: it does)."""
-        layout = self._owner.layout
+        layout = self._ctx.layout
         if msg.num_blocks != record.num_total:
             return f"producer will send {msg.num_blocks} blocks, {record.num_total} reserved"
         if msg.digest != ticket_digest(record.block_ids, record.present):
@@ -255,7 +284,7 @@ class ConsumerLink:
     def _post(self, record: TransferRecord) -> None:
         """Posted path: a receive per segment into its slots (layer-major: the first window's
         into slabs), a waiter for them, Ready."""
-        channel, table = self._channel, self._owner.table
+        channel, table = self._channel, self._ctx.table
         if channel is None:
             raise wire.ProtocolError("open before the pair was set up")
         with record.io_lock:
@@ -267,7 +296,7 @@ class ConsumerLink:
                 works = [channel.recv(self._pool.run(seg.first_slot, seg.num_blocks),
                                       record.tag) for seg in record.segments]
             else:
-                window = record.segments[:self._owner.config.max_in_flight_parts]
+                window = record.segments[:self._ctx.config.max_in_flight_parts]
                 slabs = [self._staging.take() for _ in window]
                 works = [channel.recv(slab.message(seg.num_blocks), record.tag)
                          for slab, seg in zip(slabs, window, strict=True)]
@@ -283,8 +312,7 @@ class ConsumerLink:
         """A posted transfer's waiter: each segment's receive in plan order, then the end.
         ``slabs``: layer-major, the window's staging slabs (``works[k]`` receives into
         ``slabs[k]``); None: the receives go straight into the slots."""
-        owner = self._owner
-        table, per_block = owner.table, owner.layout.bytes_per_block
+        table, per_block = self._ctx.table, self._ctx.layout.bytes_per_block
         works = record.works
         if works is None:
             return
@@ -352,7 +380,7 @@ class ConsumerLink:
     def _on_keepalive(self, msg: wire.Keepalive) -> None:
         """The producer vouches for a transfer it has nothing to send for yet (its prompt
         is queued or paused between chunks): its clock restarts."""
-        table = self._owner.table
+        table = self._ctx.table
         record = table.get(msg.req)
         if record is None or record.link is not self or record.tag != msg.tag:
             return  # ended and forgotten, or an earlier transfer's
@@ -361,16 +389,16 @@ class ConsumerLink:
                 record.last_alive = time.monotonic()
 
     def _on_end(self, msg: wire.End) -> None:
-        record = self._owner.table.get(msg.req)
+        record = self._ctx.table.get(msg.req)
         if record is not None and record.link is self and msg.tag in (0, record.tag):
             # answered even when nothing is owed: a posted transfer's End asks for the flush
-            self._owner.end(record, msg.state, msg.reason, msg.side, msg.detail)
+            self._ctx.end(record, msg.state, msg.reason, msg.side, msg.detail)
 
     # -- announced path -------------------------------------------------------------------------
 
     def _on_blocks(self, msg: wire.Blocks) -> None:
         """Receive the announced segments into their slots (or drain them), in order."""
-        table = self._owner.table
+        table = self._ctx.table
         if any(n == 0 for n in msg.sizes) or (msg.crc is not None and len(msg.crc) != len(msg.sizes)):
             raise wire.ProtocolError("a blocks message with an empty segment or stray checksums")
         record = table.get(msg.req)
@@ -395,9 +423,9 @@ class ConsumerLink:
                            slab: Slab | None) -> None:
         """The announced segments into their slots: straight, or (``slab``, layer-major)
         received into the slab, checked, then scattered."""
-        table = self._owner.table
-        timeout = self._owner.config.stall_timeout_s
-        per_block = self._owner.layout.bytes_per_block
+        table = self._ctx.table
+        timeout = self._ctx.config.stall_timeout_s
+        per_block = self._ctx.layout.bytes_per_block
         channel = self._channel
         if channel is None:
             raise wire.ProtocolError("blocks before the pair was set up")
@@ -431,14 +459,14 @@ class ConsumerLink:
         channel = self._channel
         if channel is None or not sizes:
             return
-        per_block = self._owner.layout.bytes_per_block
-        limit = self._owner.config.part_bytes
+        per_block = self._ctx.layout.bytes_per_block
+        limit = self._ctx.config.part_bytes
         need = max(sizes) * per_block
         if need > max(limit, per_block):
             raise wire.ProtocolError(f"an announced segment of {need} bytes is too large")
         if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8, device=self._owner.layout.device)
-        timeout = self._owner.config.stall_timeout_s
+            self._scratch = torch.empty(need, dtype=torch.uint8, device=self._ctx.layout.device)
+        timeout = self._ctx.config.stall_timeout_s
         for n in sizes:
             channel.recv(self._scratch[: n * per_block], tag).wait(timeout)
 
@@ -449,13 +477,13 @@ class ConsumerLink:
         transfers end once their waiters have dropped their receives (closing the channel
         fails those receives at once)."""
         self._closing.set()
-        owner = self._owner
-        local = owner._closed.is_set()
+        ctx = self._ctx
+        local = ctx.is_closed()
         ending = []
-        for record in owner.table.live():
+        for record in ctx.table.live():
             if record.link is self:
                 state = TransferState.ABORTED if local else TransferState.FAILED
-                owner.end(record, state, None if local else reason,
+                ctx.end(record, state, None if local else reason,
                           Side.CONSUMER if local else Side.PRODUCER, detail, tell_producer=notify)
                 if record.waiter is not None and record.waiter is not threading.current_thread():
                     ending.append(record)
@@ -471,5 +499,5 @@ class ConsumerLink:
             if record.waiter.is_alive() and record.cancel is not None:
                 log.warning("kvtransfer consumer: a receive of %s stays blocked on the closed "
                             "pair %s; ending it", record.req_id, self.pair)
-                owner.table.finish(record, *record.cancel)
-        owner._drop_link(self)
+                ctx.table.finish(record, *record.cancel)
+        ctx.drop_link(self)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.backend import CLOSE_TAG, ChannelError
+from scheduler.messages import KVServer
 
 # Blocking pops wake up this often only to re-arm; closing wakes them with a message.
 _POP_REARM = datetime.timedelta(hours=1)
@@ -146,7 +147,7 @@ class DistBackend:
         self._server: dist.TCPStore | None = None
         self._frames = frames
 
-    def listen(self, host: str) -> dict[str, Any]:
+    def listen(self, host: str) -> KVServer:
         if self._server is not None:
             raise RuntimeError("DistBackend.listen called twice; use one backend per endpoint")
         listener = _bound_listener(host)
@@ -156,17 +157,17 @@ class DistBackend:
             host, port, is_master=True, wait_for_workers=False, timeout=_td(60),
             use_libuv=True, master_listen_fd=listener.detach(),
         )
-        return {"host": host, "port": port}
+        return KVServer(host=host, port=port)
 
-    def open_queue(self, address: dict[str, Any], timeout_s: float) -> DistQueue:
-        return DistQueue(str(address["host"]), int(address["port"]), timeout_s)
+    def open_queue(self, address: KVServer, timeout_s: float) -> DistQueue:
+        return DistQueue(address.host, address.port, timeout_s)
 
     def channel_backend_name(self, device: torch.device) -> str:
         return "nccl" if device.type == "cuda" else "gloo"
 
     def open_channel(
         self,
-        address: dict[str, Any],
+        address: KVServer,
         pair: str,
         rank: int,
         device: torch.device,
@@ -177,7 +178,7 @@ class DistBackend:
         kind = self.channel_backend_name(device)
         try:
             client = dist.TCPStore(
-                str(address["host"]), int(address["port"]), is_master=False, timeout=_td(timeout_s)
+                address.host, address.port, is_master=False, timeout=_td(timeout_s)
             )
             if on_connected is not None:
                 on_connected()

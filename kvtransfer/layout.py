@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from scheduler.messages import KVPoolShape
+
 # dtypes a KV cache may have; the wire names are torch's attribute names.
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -107,18 +109,11 @@ class KVLayout:
         return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
                 * self.dtype.itemsize)
 
-    def to_wire(self) -> dict[str, object]:
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "block_size": self.block_size,
-            "dtype": dtype_to_wire(self.dtype),
-        }
-
-    def matches_wire(self, wire: object) -> bool:
-        """Same block geometry and dtype as a peer's ``to_wire`` (devices may differ)."""
-        return isinstance(wire, dict) and wire == self.to_wire()
+    def shape(self) -> KVPoolShape:
+        """The geometry and dtype peers compare (the device is each side's own)."""
+        return KVPoolShape(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, block_size=self.block_size,
+                           dtype=dtype_to_wire(self.dtype))
 
 
 @runtime_checkable

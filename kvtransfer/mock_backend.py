@@ -15,11 +15,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from kvtransfer.backend import ChannelError
+from scheduler.messages import KVServer
 
 _hubs: dict[str, MockHub] = {}
 _hubs_lock = threading.Lock()
@@ -238,21 +238,21 @@ class MockBackend:
         self._hub = hub or _default_hub()
         self._server: int | None = None
 
-    def listen(self, host: str) -> dict[str, Any]:
+    def listen(self, host: str) -> KVServer:
         if self._server is not None:
             raise RuntimeError("MockBackend.listen called twice; use one backend per endpoint")
         self._server = self._hub.add_server()
-        return {"hub": self._hub.name, "server": self._server}
+        return KVServer(host=self._hub.name, port=self._server)  # the hub stands for a host
 
-    def open_queue(self, address: dict[str, Any], timeout_s: float) -> _MockQueue:
-        return _MockQueue(MockHub.lookup(str(address["hub"])), int(address["server"]))
+    def open_queue(self, address: KVServer, timeout_s: float) -> _MockQueue:
+        return _MockQueue(MockHub.lookup(address.host), address.port)
 
     def channel_backend_name(self, device: torch.device) -> str:
         return "mock"
 
     def open_channel(
         self,
-        address: dict[str, Any],
+        address: KVServer,
         pair: str,
         rank: int,
         device: torch.device,
@@ -260,7 +260,7 @@ class MockBackend:
         timeout_s: float,
         on_connected: Callable[[], None] | None = None,
     ) -> MockChannel:
-        hub = MockHub.lookup(str(address["hub"]))
+        hub = MockHub.lookup(address.host)
         if on_connected is not None:
             on_connected()
         return MockChannel(hub.pipe(pair, timeout_s), rank)

@@ -49,5 +49,5 @@ def arrived(status: TransferStatus | None) -> bool | None:
 def done_transfers(side: _Transfers) -> list[TransferStat]:
     """The transfers that completed since the last call, as the scheduler's link model
     takes them (failed ones teach no link speed)."""
-    return [TransferStat(s.req_id, s.num_bytes, s.duration_s, s.end_time, s.topology.value)
+    return [TransferStat(s.req_id, s.num_bytes, s.duration_s, s.end_time, s.topology)
             for s in side.drain_stats() if s.state is TransferState.DONE]

@@ -33,31 +33,32 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from kvtransfer import wire
-from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend
+from kvtransfer.backend import Backend
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments
-from kvtransfer.producer_link import ProducerLink
+from kvtransfer.producer_link import ProducerContext, ProducerLink
 from kvtransfer.state import (
     FailReason,
-    Location,
+    KVLocation,
     Side,
     TransferConfig,
     TransferState,
     TransferStats,
     TransferStatus,
 )
+from kvtransfer.ticket import check_ticket
 from kvtransfer.transfers import (
     TransferRecord,
     TransferTable,
     Watchdog,
     keepalive_interval_s,
 )
+from scheduler.messages import KVEndpoint, KVTicket
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,14 @@ class KVProducer:
         self,
         store: KVStore,
         *,
-        location: Location | None = None,
+        location: KVLocation | None = None,
         config: TransferConfig | None = None,
         backend: Backend | None = None,
     ) -> None:
         self._store = store
         self.layout = KVLayout.of(store.kv_layout())
         check_pool(store, self.layout)
-        self.location = location or Location(socket.gethostname(), str(self.layout.device))
+        self.location = location or KVLocation(socket.gethostname(), str(self.layout.device))
         self.config = config or TransferConfig()
         self._backend = backend or DistBackend()
         self._cuda = self.layout.device.type == "cuda"
@@ -87,44 +88,49 @@ class KVProducer:
         self._links_lock = threading.Lock()
         self._closed = False
         self._keepalive_s = keepalive_interval_s(self.config)
+        self._link_context = ProducerContext(
+            endpoint_id=self.endpoint_id, table=self._table, store=store, layout=self.layout,
+            config=self.config, backend=self._backend, server=self._server,
+            location=self.location, fail_overdue=self.fail_overdue,
+            is_closed=lambda: self._closed, drop_link=self._drop_link)
         self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
 
     # -- public API ---------------------------------------------------------------------------
 
-    def address(self) -> dict[str, Any]:
-        return {
-            "endpoint_id": self.endpoint_id,
-            "backend": self._backend.name,
-            "server": dict(self._server),
-            "location": self.location.to_wire(),
-            "layout": self.layout.to_wire(),
-        }
+    def address(self) -> KVEndpoint:
+        return KVEndpoint(endpoint_id=self.endpoint_id, backend=self._backend.name,
+                          server=self._server, location=self.location, layout=self.layout.shape())
 
-    def begin(self, ticket: dict) -> None:
-        """Start a transfer for a consumer's ticket; never blocks (the pair opens lazily)."""
+    def begin(self, ticket: KVTicket) -> None:
+        """Start a transfer for a consumer's ticket; never blocks (the pair opens lazily).
+        The ticket comes from another process: a malformed one is a ValueError
+        (``kvtransfer.ticket``)."""
         if self._closed:
             raise RuntimeError("producer is closed")
-        req_id, block_ids, present, tag, segment_blocks, consumer = _parse_ticket(ticket)
-        if consumer["backend"] != self._backend.name:
-            raise ValueError(f"ticket is for a {consumer['backend']!r} backend, "
+        ticket = check_ticket(ticket)
+        consumer = ticket.consumer
+        if consumer.backend != self._backend.name:
+            raise ValueError(f"ticket is for a {consumer.backend!r} backend, "
                              f"this producer uses {self._backend.name!r}")
-        record = TransferRecord(req_id, Side.PRODUCER, block_ids, present,
-                                len(block_ids) - len(present), tag=tag,
-                                segment_blocks=segment_blocks,
-                                segments=plan_segments(block_ids, present, segment_blocks),
+        block_ids, present = list(ticket.block_ids), frozenset(ticket.present)
+        record = TransferRecord(ticket.req_id, Side.PRODUCER, block_ids, present,
+                                len(block_ids) - len(present), tag=ticket.tag,
+                                segment_blocks=ticket.segment_blocks,
+                                segments=plan_segments(block_ids, present,
+                                                       ticket.segment_blocks),
                                 src=[-1] * len(block_ids))
-        record.topology = self.location.topology_to(Location.from_wire(consumer["location"]))
+        record.topology = self.location.topology_to(consumer.location)
         record.backend = self._backend.channel_backend_name(self.layout.device)
         self._table.add(record)
-        if not self.layout.matches_wire(consumer["layout"]):
+        if consumer.layout != self.layout.shape():
             self._table.finish(record, TransferState.FAILED, FailReason.MISMATCH, Side.PRODUCER,
-                               f"consumer layout {consumer['layout']} differs from "
-                               f"{self.layout.to_wire()}")
+                               f"consumer layout {consumer.layout} differs from "
+                               f"{self.layout.shape()}")
             return
         if record.num_total == 0:
             self._table.finish(record, TransferState.DONE, detail="every block was present")
             return
-        link = self._link_to(consumer)
+        link = self._link_to(consumer, ticket.secret)
         record.link = link
         link.submit(("open", record))
 
@@ -228,12 +234,12 @@ class KVProducer:
     def table(self) -> TransferTable:
         return self._table
 
-    def _link_to(self, consumer: dict[str, Any]) -> ProducerLink:
+    def _link_to(self, consumer: KVEndpoint, secret: str) -> ProducerLink:
         with self._links_lock:
-            link = self._links.get(consumer["endpoint_id"])
+            link = self._links.get(consumer.endpoint_id)
             if link is None or link.dead:
-                link = ProducerLink(self, consumer)
-                self._links[consumer["endpoint_id"]] = link
+                link = ProducerLink(self._link_context, consumer, secret)
+                self._links[consumer.endpoint_id] = link
                 link.start()
             return link
 
@@ -272,33 +278,3 @@ def _check_skip(record: TransferRecord, start: int) -> None:
     if any(p not in record.present for p in range(record.cursor, start)):
         raise ValueError(f"positions {record.cursor}..{start - 1} skipped but not present "
                          "at the consumer")
-
-
-def _parse_ticket(ticket: object) -> tuple[str, list[int], frozenset[int], int, int,
-                                           dict[str, Any]]:
-    if not isinstance(ticket, dict):
-        raise ValueError(f"ticket must be a dict, got {type(ticket).__name__}")
-    req_id, block_ids = ticket.get("req_id"), ticket.get("block_ids")
-    present, consumer = ticket.get("present", []), ticket.get("consumer")
-    tag, segment_blocks = ticket.get("tag"), ticket.get("segment_blocks")
-    if not isinstance(req_id, str) or not req_id:
-        raise ValueError("ticket req_id must be a non-empty string")
-    if not isinstance(block_ids, list) or not block_ids or not all(
-        isinstance(b, int) and b >= 0 for b in block_ids
-    ):
-        raise ValueError("ticket block_ids must be a non-empty list of non-negative ints")
-    if not isinstance(present, list) or not all(
-        isinstance(p, int) and 0 <= p < len(block_ids) for p in present
-    ):
-        raise ValueError("ticket present must list positions into block_ids")
-    if not isinstance(tag, int) or not FIRST_DATA_TAG <= tag <= MAX_DATA_TAG:
-        raise ValueError(f"ticket tag must be an int in [{FIRST_DATA_TAG}, {MAX_DATA_TAG}]")
-    if not isinstance(segment_blocks, int) or segment_blocks < 1:
-        raise ValueError("ticket segment_blocks must be a positive int")
-    if not isinstance(consumer, dict) or not all(
-        k in consumer for k in ("endpoint_id", "backend", "server", "location", "layout")
-    ):
-        raise ValueError("ticket consumer must be a consumer's address() dict")
-    if not isinstance(consumer.get("secret"), str) or not consumer["secret"]:
-        raise ValueError("ticket consumer carries no secret (a ticket from KVConsumer.expect)")
-    return req_id, list(block_ids), frozenset(present), tag, segment_blocks, consumer

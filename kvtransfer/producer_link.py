@@ -1,7 +1,9 @@
 """One producer-consumer pair, producer side: the sender and acknowledgement threads.
 
 Owned by :class:`kvtransfer.producer.KVProducer` (one link per consumer endpoint); see that
-module for the transfer's life. Every segment of the plan (kvtransfer.plan) is one message on
+module for the transfer's life. The producer imports this module, never the reverse: what a
+link uses of it (the table, the pool, its server, ``fail_overdue``) comes in one
+:class:`ProducerContext` at construction. Every segment of the plan (kvtransfer.plan) is one message on
 the transfer's tag, sent once its last position is pushed and the consumer can take it:
 
 * posted path (a channel that keeps receives posted, gloo or mock, without checksums): the
@@ -27,35 +29,54 @@ import queue
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtransfer import auth, wire
-from kvtransfer.backend import FRAME_TAG, Channel, ChannelError, MessageQueue, Work
+from kvtransfer.backend import FRAME_TAG, Backend, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import FramePool, PoolView, Slab, SlabPool, crc32
-from kvtransfer.layout import dtype_to_wire
+from kvtransfer.layout import KVLayout, KVStore, dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
-from kvtransfer.state import FailReason, Side, TransferState
-from kvtransfer.transfers import TransferRecord
-
-if TYPE_CHECKING:
-    from kvtransfer.producer import KVProducer
+from kvtransfer.state import FailReason, Side, TransferConfig, TransferState
+from kvtransfer.transfers import TransferRecord, TransferTable
+from scheduler.messages import KVEndpoint, KVLocation, KVServer
 
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # the flush message
 
 
+@dataclass(frozen=True, slots=True)
+class ProducerContext:
+    """What every link of one producer shares with it, handed over at construction: the link
+    reads and ends transfers through these and never reaches into the producer itself."""
+
+    endpoint_id: str
+    table: TransferTable
+    store: KVStore
+    layout: KVLayout
+    config: TransferConfig
+    backend: Backend
+    server: KVServer  # the producer's own rendezvous server (the fwd queue lives there)
+    location: KVLocation
+    fail_overdue: Callable[[TransferRecord, Side, str], None]  # KVProducer.fail_overdue
+    is_closed: Callable[[], bool]  # the producer is closing: live transfers end ABORTED
+    drop_link: Callable[[ProducerLink], None]  # forget a torn-down link
+
+
 class ProducerLink:
     """One consumer's pair: its process group (rank 0), the fwd stream, its rev queue."""
 
-    def __init__(self, owner: KVProducer, consumer: dict[str, Any]) -> None:
-        self._owner = owner
-        self.consumer_id = str(consumer["endpoint_id"])
+    def __init__(self, ctx: ProducerContext, consumer: KVEndpoint, secret: str) -> None:
+        self._ctx = ctx
+        self.consumer_id = consumer.endpoint_id
         self._consumer = consumer
-        self.pair = f"{owner.endpoint_id}-{uuid.uuid4().hex[:8]}"
+        self._secret = secret  # the ticket's: proves to the consumer that we hold one
+        self.pair = f"{ctx.endpoint_id}-{uuid.uuid4().hex[:8]}"
         self.dead = False
         self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._issue_lock = threading.Lock()
@@ -78,7 +99,7 @@ class ProducerLink:
         self._closing = threading.Event()
         self._frame_pool = FramePool()
         self._staging: dict[int, SlabPool] = {}  # by segment size
-        self._pool = PoolView(owner._store)
+        self._pool = PoolView(ctx.store)
         self._stream: Any = None
 
     def start(self) -> None:
@@ -115,7 +136,7 @@ class ProducerLink:
             error: ChannelError | None = None
             try:
                 if self._connected and not self._queued and not self._closing.is_set():
-                    max_in_flight = self._owner.config.max_in_flight_parts
+                    max_in_flight = self._ctx.config.max_in_flight_parts
                     while self._has_sendable(record) and len(self._in_flight) < max_in_flight:
                         if not self._issue_segment(record):
                             return
@@ -161,7 +182,7 @@ class ProducerLink:
         staging = self._staging.get(record.segment_blocks)
         if staging is None:
             staging = self._staging[record.segment_blocks] = SlabPool(
-                self._owner.layout, record.segment_blocks)
+                self._ctx.layout, record.segment_blocks)
         slab = staging.take()
         if not read:
             return slab.message(n), slab, staging
@@ -191,28 +212,27 @@ class ProducerLink:
     # -- sender thread --------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        owner, cfg = self._owner, self._owner.config
-        backend, server = owner._backend, self._consumer["server"]
+        ctx, cfg = self._ctx, self._ctx.config
+        backend, server = ctx.backend, self._consumer.server
         # Every connection of ours to the consumer's server is up before the Hello: the
         # consumer only connects after reading it (simultaneous connects to one TCPStore
         # server were seen to stall one of them for seconds).
-        self._fwd = backend.open_queue(owner._server, cfg.connect_timeout_s)
+        self._fwd = backend.open_queue(ctx.server, cfg.connect_timeout_s)
         accept = backend.open_queue(server, cfg.connect_timeout_s)
         rev = backend.open_queue(server, cfg.connect_timeout_s)
-        proof = auth.pair_proof(str(self._consumer["secret"]), self.pair, owner.endpoint_id)
+        proof = auth.pair_proof(self._secret, self.pair, ctx.endpoint_id)
         hello = wire.encode(wire.Hello(
-            self.pair, owner.endpoint_id, dict(owner._server), owner.location.to_wire(),
-            owner.layout.to_wire(), proof))
-        channel = backend.open_channel(server, self.pair, 0, owner.layout.device,
-                                       owner.location.host, cfg.connect_timeout_s,
+            self.pair, ctx.endpoint_id, ctx.server, ctx.location, ctx.layout.shape(), proof))
+        channel = backend.open_channel(server, self.pair, 0, ctx.layout.device,
+                                       ctx.location.host, cfg.connect_timeout_s,
                                        on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello))
         accept.close()
         self._acker = threading.Thread(target=self._ack_loop, args=(rev,), daemon=True,
                                        name=f"kvx-ack-{self.pair}")
         self._acker.start()
-        if owner.layout.device.type == "cuda":
-            torch.cuda.set_device(owner.layout.device)
-            self._stream = torch.cuda.Stream(owner.layout.device)
+        if ctx.layout.device.type == "cuda":
+            torch.cuda.set_device(ctx.layout.device)
+            self._stream = torch.cuda.Stream(ctx.layout.device)
         with self._issue_lock:
             self._channel = channel
             self._frames = channel.can_prepost
@@ -269,7 +289,7 @@ class ProducerLink:
 
     def _open(self, record: TransferRecord) -> None:
         """Announce the transfer (even one that already ended: its End must bind too)."""
-        layout = self._owner.layout
+        layout = self._ctx.layout
         segments = record.segments
         msg = wire.Open(
             req=record.req_id, tag=record.tag,
@@ -299,9 +319,9 @@ class ProducerLink:
 
     def _send_announced(self, record: TransferRecord) -> None:
         """Blocks(first, count, crc) then the segments, in batches that fit one message."""
-        checksum = self._owner.config.checksum
+        checksum = self._ctx.config.checksum
         # with checksums a batch is staged before it is announced: keep it to the window
-        batch = self._owner.config.max_in_flight_parts if checksum else wire.MAX_SEGMENTS_PER_BLOCKS
+        batch = self._ctx.config.max_in_flight_parts if checksum else wire.MAX_SEGMENTS_PER_BLOCKS
         while self._has_sendable(record):
             first = record.num_issued
             count = 0
@@ -376,18 +396,18 @@ class ProducerLink:
     def _confirm(self, record: TransferRecord) -> None:
         """The stall watchdog found every block pushed but no End from the consumer: every
         send has completed now (reaped above), so the blocks left this pool."""
-        with self._owner.table.lock:
+        with self._ctx.table.lock:
             sent = record.num_issued == len(record.segments)
         if sent:
-            self._owner.table.finish(
+            self._ctx.table.finish(
                 record, TransferState.DONE,
                 detail="every block was sent; the consumer did not confirm in time")
         else:
-            self._owner.fail_overdue(record, Side.CONSUMER,
+            self._ctx.fail_overdue(record, Side.CONSUMER,
                                      "the consumer did not take the blocks in time")
 
     def _make_room(self) -> None:
-        while len(self._in_flight) >= self._owner.config.max_in_flight_parts:
+        while len(self._in_flight) >= self._ctx.config.max_in_flight_parts:
             self._reap_one()
 
     def _reap_one(self) -> None:
@@ -396,20 +416,20 @@ class ProducerLink:
                 return
             work, buf, pool, record, n = self._in_flight.popleft()
         try:
-            work.wait(self._owner.config.stall_timeout_s)
+            work.wait(self._ctx.config.stall_timeout_s)
         finally:
             if pool is not None and buf is not None:
                 with self._issue_lock:
                     pool.give(buf)
         if record is not None and n:
-            with self._owner.table.lock:
+            with self._ctx.table.lock:
                 if not record.state.is_terminal:
-                    record.mark_progress(n, n * self._owner.layout.bytes_per_block)
+                    record.mark_progress(n, n * self._ctx.layout.bytes_per_block)
 
     # -- ack thread -----------------------------------------------------------------------------
 
     def _ack_loop(self, rev: MessageQueue) -> None:
-        table = self._owner.table
+        table = self._ctx.table
         while True:
             try:
                 msg = wire.decode(rev.pop(self._rev_key))
@@ -443,27 +463,27 @@ class ProducerLink:
             num_bytes = 0
             if msg.state is TransferState.DONE:
                 self._jobs.put(("reap",))  # sends that push() issued inline
-                num_bytes = record.num_total * self._owner.layout.bytes_per_block
+                num_bytes = record.num_total * self._ctx.layout.bytes_per_block
             elif record.posted and record.ready:
                 self.submit(("flush", record))
             table.finish(record, msg.state, msg.reason, msg.side, msg.detail, num_bytes=num_bytes)
 
     def _teardown(self, reason: FailReason, detail: str, local: bool | None = None) -> None:
-        owner = self._owner
+        ctx = self._ctx
         self.dead = True
         if local is None:
-            local = owner._closed or self._closing.is_set()
+            local = ctx.is_closed() or self._closing.is_set()
         if not local:
             log.warning("kvtransfer producer: pair %s to %s lost (%s): %s", self.pair,
                         self.consumer_id, reason.value, detail)
         self._records.clear()
-        for record in owner.table.live():
+        for record in ctx.table.live():
             if record.link is not self:
                 continue
             if local:
-                owner.table.finish(record, TransferState.ABORTED, None, Side.PRODUCER, detail)
+                ctx.table.finish(record, TransferState.ABORTED, None, Side.PRODUCER, detail)
                 continue
-            owner.table.finish(record, TransferState.FAILED, reason, Side.CONSUMER, detail)
+            ctx.table.finish(record, TransferState.FAILED, reason, Side.CONSUMER, detail)
             if not self._frames and reason is FailReason.TIMEOUT:
                 try:  # in frames mode the consumer learns it from the torn-down group
                     if self._fwd is not None:
@@ -476,7 +496,7 @@ class ProducerLink:
             if self._channel is not None:
                 self._channel.close()
             self._jobs.put(("stop",))
-        owner._drop_link(self)
+        ctx.drop_link(self)
 
 
 def _sizes(record: TransferRecord, first: int, count: int) -> list[int]:

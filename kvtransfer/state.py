@@ -1,7 +1,10 @@
-"""Transfer states, failure reasons, topology classes, configuration and the stats record.
+"""Transfer states, failure reasons, configuration and the stats record.
 
 Everything a caller polls or consumes is a frozen value here; the mutable per-transfer record
-lives in :mod:`kvtransfer.transfers`.
+lives in :mod:`kvtransfer.transfers`. Where an endpoint lives (``KVLocation``) and how far a
+block travels between two (``TopologyClass``, by ``KVLocation.topology_to``) are the
+scheduler's own types (``scheduler.messages``, ``scheduler.topology``): one rule, so the
+class a measured transfer reports is the class the kernel priced it by.
 """
 
 from __future__ import annotations
@@ -9,6 +12,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+
+from scheduler.messages import KVLocation
+from scheduler.topology import TopologyClass
+
+__all__ = ["FailReason", "KVLocation", "Side", "TopologyClass", "TransferConfig",
+           "TransferState", "TransferStats", "TransferStatus"]
 
 
 class TransferState(enum.Enum):
@@ -40,54 +49,6 @@ class FailReason(enum.Enum):
     CONNECT_FAILED = "connect_failed"  # the pair group could not be built
     PROTOCOL = "protocol"  # malformed message; the pair is torn down
     LOCAL_ERROR = "local_error"  # reading or writing the pool raised
-
-
-class TopologyClass(enum.Enum):
-    """Where the bytes go, cheapest first (DESIGN §6)."""
-
-    SAME_DEVICE = "same_device"
-    SAME_NVLINK_DOMAIN = "same_nvlink_domain"
-    SAME_NODE = "same_node"
-    CROSS_NODE = "cross_node"
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a worker's KV pool lives. ``host`` is the address peers reach its endpoint at."""
-
-    node_id: str
-    device: str = "cpu"  # "cpu", "cuda:0", ...
-    nvlink_domain: str | None = None
-    host: str = "127.0.0.1"
-
-    def topology_to(self, other: Location) -> TopologyClass:
-        if self.node_id != other.node_id:
-            return TopologyClass.CROSS_NODE
-        if self.device == other.device:
-            return TopologyClass.SAME_DEVICE
-        if self.nvlink_domain is not None and self.nvlink_domain == other.nvlink_domain:
-            return TopologyClass.SAME_NVLINK_DOMAIN
-        return TopologyClass.SAME_NODE
-
-    def to_wire(self) -> dict[str, object]:
-        return {
-            "node_id": self.node_id,
-            "device": self.device,
-            "nvlink_domain": self.nvlink_domain,
-            "host": self.host,
-        }
-
-    @classmethod
-    def from_wire(cls, wire: object) -> Location:
-        if not isinstance(wire, dict):
-            raise ValueError(f"location must be a dict, got {type(wire).__name__}")
-        node_id, device = wire.get("node_id"), wire.get("device")
-        domain, host = wire.get("nvlink_domain"), wire.get("host")
-        if not isinstance(node_id, str) or not isinstance(device, str) or not isinstance(host, str):
-            raise ValueError(f"location needs str node_id, device and host: {wire!r}")
-        if domain is not None and not isinstance(domain, str):
-            raise ValueError(f"location nvlink_domain must be a str or None: {domain!r}")
-        return cls(node_id=node_id, device=device, nvlink_domain=domain, host=host)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ from kvtransfer.consumer import KVConsumer
 from kvtransfer.dist_backend import DistBackend
 from kvtransfer.layout import KVLayout, TensorKVStore, dtype_from_wire
 from kvtransfer.producer import KVProducer
-from kvtransfer.state import Location, TransferConfig, TransferStatus
+from kvtransfer.state import KVLocation, TransferConfig, TransferStatus
+from scheduler.messages import KVEndpoint, KVTicket, decode, encode
 
 
 def make_layout(spec: dict[str, Any]) -> KVLayout:
@@ -77,18 +78,19 @@ def _peer_main(conn: Any, role: str, layout_spec: dict[str, Any], num_blocks: in
     layout = make_layout(layout_spec)
     store = seeded_store(layout, num_blocks, seed, layer_major=layer_major)
     cls = KVConsumer if role == "consumer" else KVProducer
-    endpoint = cls(store, location=Location(node_id, str(layout.device)),
+    endpoint = cls(store, location=KVLocation(node_id, str(layout.device)),
                    config=TransferConfig(**config), backend=DistBackend(frames=frames))
-    conn.send_bytes(msgpack.packb({"address": endpoint.address()}))
+    conn.send_bytes(msgpack.packb({"address": encode(endpoint.address())}))
     while True:
         cmd = msgpack.unpackb(conn.recv_bytes())
         op = cmd["op"]
         reply: dict[str, Any] = {}
         try:
             if op == "expect":
-                reply["ticket"] = endpoint.expect(cmd["req_id"], cmd["block_ids"], cmd.get("present", []))
+                reply["ticket"] = encode(
+                    endpoint.expect(cmd["req_id"], cmd["block_ids"], cmd.get("present", [])))
             elif op == "begin":
-                endpoint.begin(cmd["ticket"])
+                endpoint.begin(decode(cmd["ticket"], expect=KVTicket))
             elif op == "push":
                 endpoint.push(cmd["req_id"], cmd["block_ids"], cmd.get("first_position"))
             elif op == "keepalive":
@@ -137,15 +139,22 @@ class PeerProcess:
         if not self._conn.poll(start_timeout_s):
             self.kill()
             raise RuntimeError("peer process did not start")
-        self.address = msgpack.unpackb(self._conn.recv_bytes())["address"]
+        self.address = decode(msgpack.unpackb(self._conn.recv_bytes())["address"],
+                              expect=KVEndpoint)
 
     def call(self, op: str, timeout_s: float = 60.0, **kwargs: Any) -> dict[str, Any]:
+        """One command; a ``ticket`` travels both ways as an encoded KVTicket, as it does
+        between workers (a malformed one is the peer's ValueError)."""
+        if isinstance(kwargs.get("ticket"), KVTicket):
+            kwargs["ticket"] = encode(kwargs["ticket"])
         self._conn.send_bytes(msgpack.packb({"op": op, **kwargs}))
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"peer did not answer {op!r} within {timeout_s} s")
         reply = msgpack.unpackb(self._conn.recv_bytes())
         if "error" in reply:
             raise ValueError(reply["error"])
+        if "ticket" in reply:
+            reply["ticket"] = decode(reply["ticket"], expect=KVTicket)
         return reply
 
     def freeze(self) -> None:

@@ -18,11 +18,15 @@ Decoding checks every field's type; anything else is a :class:`ProtocolError`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
 from kvtransfer.state import FailReason, Side, TransferState
+from scheduler import messages
+from scheduler.messages import KVLocation, KVPoolShape, KVServer
+
+T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 1 << 20
 ACCEPT_KEY = "kvx/accept"  # the consumer's queue of Hello messages
@@ -36,9 +40,9 @@ class ProtocolError(ValueError):
 class Hello:
     pair: str
     producer_id: str
-    server: dict[str, Any]  # the producer's rendezvous server (its fwd queue lives there)
-    location: dict[str, Any]
-    layout: dict[str, Any]
+    server: KVServer  # the producer's rendezvous server (its fwd queue lives there)
+    location: KVLocation
+    layout: KVPoolShape
     proof: str = ""  # kvtransfer.auth.pair_proof: the producer holds the ticket's secret
 
 
@@ -115,7 +119,8 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Hello):
         body: dict[str, Any] = {
             "t": "hello", "pair": msg.pair, "producer_id": msg.producer_id,
-            "server": msg.server, "location": msg.location, "layout": msg.layout,
+            "server": messages.encode(msg.server), "location": messages.encode(msg.location),
+            "layout": messages.encode(msg.layout),
             "proof": msg.proof,
         }
     elif isinstance(msg, Open):
@@ -159,7 +164,8 @@ def decode(raw: bytes) -> Message:
     if kind == "hello":
         return Hello(
             pair=_str(body, "pair"), producer_id=_str(body, "producer_id"),
-            server=_map(body, "server"), location=_map(body, "location"), layout=_map(body, "layout"),
+            server=_typed(body, "server", KVServer), location=_typed(body, "location", KVLocation),
+            layout=_typed(body, "layout", KVPoolShape),
             proof=_str(body, "proof"),
         )
     if kind == "open":
@@ -219,11 +225,15 @@ def _ints(body: dict[str, Any], key: str) -> list[int]:
     return value
 
 
-def _map(body: dict[str, Any], key: str) -> dict[str, Any]:
+def _typed(body: dict[str, Any], key: str, cls: type[T]) -> T:
+    """A field that is one of the scheduler's typed messages (``scheduler.messages``)."""
     value = body.get(key)
-    if not isinstance(value, dict):
-        raise ProtocolError(f"field {key!r} must be a map")
-    return value
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"field {key!r} must be an encoded {cls.__name__}")
+    try:
+        return messages.decode(value, expect=cls)
+    except ValueError as exc:  # MessageError, or the message's own check
+        raise ProtocolError(f"field {key!r}: {exc}") from None
 
 
 # -- frames: fwd messages as tensor messages on the pair's group ------------------------------

@@ -29,7 +29,7 @@ and the ones that heal the cluster after a failure::
     router ──Claim──▶ scheduler ──ClaimAnswer──▶ router        (after the scheduler restarted)
 
 This module sits at the bottom floor so every package can share it; it imports only
-msgpack and the standard library.
+msgpack, the standard library and ``scheduler.topology`` (plain values).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgpack
+
+from scheduler.topology import TopologyClass, classify
 
 
 class MessageError(ValueError):
@@ -260,6 +262,81 @@ class SubmitAnswers:
     shed_s_by_tier: tuple[float, ...] = ()
 
 
+# -- KV transfer tickets -------------------------------------------------------------
+# What a decode worker's KVConsumer hands a producer (kvtransfer) through the control plane:
+# where its endpoint is, what its pool holds, and which slots to fill. Built by
+# ``KVConsumer.expect``, checked (types, lengths, ranges) by ``KVProducer.begin``.
+
+
+@message("kvsrv")
+@dataclass(frozen=True, slots=True)
+class KVServer:
+    """An endpoint's rendezvous server: a TCP store (gloo, NCCL), or for the in-process mock
+    backend its hub's name and the server's number on it."""
+
+    host: str
+    port: int
+
+
+@message("kvloc")
+@dataclass(frozen=True, slots=True)
+class KVLocation:
+    """Where a worker's KV pool lives. ``host`` is the address peers reach its endpoint at;
+    ``nvlink_domain`` None: none known (never the same domain as another)."""
+
+    node_id: str
+    device: str = "cpu"  # "cpu", "cuda:0", ...
+    nvlink_domain: str | None = None
+    host: str = "127.0.0.1"
+
+    def topology_to(self, other: KVLocation) -> TopologyClass:
+        """How far a block travels from here to ``other``: the scheduler's one rule."""
+        return classify(self.node_id, self.device, self.nvlink_domain,
+                        other.node_id, other.device, other.nvlink_domain)
+
+
+@message("kvpool")
+@dataclass(frozen=True, slots=True)
+class KVPoolShape:
+    """A KV pool's block geometry and dtype (kvtransfer.layout.KVLayout without the device):
+    two pools can exchange blocks when theirs are equal."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # kvtransfer.layout.WIRE_DTYPES
+
+
+@message("kvend")
+@dataclass(frozen=True, slots=True)
+class KVEndpoint:
+    """A KVConsumer or KVProducer as its peers reach it."""
+
+    endpoint_id: str
+    backend: str  # kvtransfer Backend.name: "dist" | "mock"; both ends must use the same
+    server: KVServer
+    location: KVLocation
+    layout: KVPoolShape
+
+
+@message("kvtkt")
+@dataclass(frozen=True, slots=True)
+class KVTicket:
+    """A consumer's reservation for one request's KV: the slots in prompt order, the
+    positions already there (prefix hits, never sent), the channel tag and segment size of
+    the transfer, and the consumer's endpoint with the secret a producer proves it holds
+    when it opens a pair (kvtransfer.auth)."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    present: tuple[int, ...]
+    tag: int
+    segment_blocks: int
+    consumer: KVEndpoint
+    secret: str
+
+
 # -- placement -----------------------------------------------------------------------
 
 
@@ -299,7 +376,7 @@ class StartPrefill:
 
     spec: GenerationSpec
     decode_worker_id: str
-    ticket: dict[str, Any]
+    ticket: KVTicket
     block_hashes: tuple[int, ...] = ()  # the Dispatch's: the prompt is hashed once
 
 
@@ -370,7 +447,7 @@ class MigrateAnswer:
     """The target's answer: a ticket for the KV (blocks reserved), or why not."""
 
     req_id: str
-    ticket: dict[str, Any] | None = None
+    ticket: KVTicket | None = None
     reason: str = ""
     num_cached_blocks: int = 0  # leading blocks the target had cached: not sent
 
@@ -520,7 +597,7 @@ class TransferStat:
     num_bytes: int
     duration_s: float
     end_time: float
-    topology: str
+    topology: TopologyClass
 
 
 @message("run")
@@ -638,18 +715,36 @@ class HeldRequest:
     num_prefill_left: int = 0
 
 
+@message("wset")
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """Where a worker runs and what its engine holds, as it set up (``cluster.worker_actors``).
+    The scheduler builds the worker's ``WorkerInfo`` from it; the driver reads the same as a
+    document (``cluster.messages.setup_document``)."""
+
+    node: str
+    device: str  # "cpu", "cuda:0", ...
+    nvlink_domain: str
+    num_total_blocks: int
+    num_free_blocks: int
+    bytes_per_block: int
+    max_model_len: int
+    ray_node_id: str = ""
+    pid: int = 0
+
+
 @message("hello")
 @dataclass(frozen=True, slots=True)
 class WorkerHello:
     """Worker -> scheduler once it has set up, and again whenever the scheduler answers a
-    report with "unknown" (it restarted): who it is, where it runs (``info``: the setup
-    document, ``cluster.worker_actors``) and what it holds. ``incarnation`` is new with
-    every start of the worker's process, so a restart is never mistaken for the old one."""
+    report with "unknown" (it restarted): who it is, where it runs and what its engine holds
+    (``info``) and which requests it holds. ``incarnation`` is new with every start of the
+    worker's process, so a restart is never mistaken for the old one."""
 
     worker_id: str
     role: str
     incarnation: str
-    info: dict[str, Any]
+    info: WorkerSetup
     held: tuple[HeldRequest, ...] = ()
 
 

@@ -1,8 +1,10 @@
 """Worker locations and what moving KV blocks between them costs (DESIGN §6).
 
 The kernel sees each worker as a :class:`WorkerInfo` (role, node, device, NVLink
-domain, KV budget). :func:`topology_class` says how far a block travels between
-two workers; :class:`LinkCosts` prices a move of ``n`` blocks by that class.
+domain, KV budget). :func:`classify` says how far a block travels between two
+workers (:func:`topology_class` for two ``WorkerInfo``; kvtransfer's
+``KVLocation.topology_to`` for its endpoints, so a measured transfer carries the
+class the kernel priced); :class:`LinkCosts` prices a move of ``n`` blocks by that class.
 The cluster maps its own ``cluster.topology.WorkerLocation`` onto
 :class:`WorkerInfo` (same class names and values), since this package may not
 import the cluster.
@@ -38,14 +40,20 @@ class WorkerInfo:
     num_kv_blocks: int
 
 
-def classify(node_a: str, device_a: str, domain_a: str,
-             node_b: str, device_b: str, domain_b: str) -> TopologyClass:
-    """The one rule for how far a block travels; CPU "devices" are never shared."""
+def classify(node_a: str, device_a: str, domain_a: str | None,
+             node_b: str, device_b: str, domain_b: str | None) -> TopologyClass:
+    """The one rule for how far a block travels between two workers' KV pools (the kernel's
+    placement, the link model's prices and kvtransfer's measured transfers all use it).
+
+    A CPU "device" is never shared: two CPU workers, even in one process, hold separate
+    pools and a block between them crosses a socket (gloo over loopback), which the link
+    model (``scheduler.links``) prices as SAME_DOMAIN / SAME_NODE, not as a copy inside one
+    device. A domain of None is no known NVLink domain: it matches none."""
     if node_a != node_b:
         return TopologyClass.CROSS_NODE
     if device_a == device_b and device_a != "cpu":
         return TopologyClass.SAME_DEVICE
-    if domain_a == domain_b:
+    if domain_a is not None and domain_a == domain_b:
         return TopologyClass.SAME_DOMAIN
     return TopologyClass.SAME_NODE
 

@@ -25,7 +25,7 @@ from cluster.worker_setup import limits, worker_policy
 from decode_pool.worker import DecodeWorker
 from engine import SamplingParams
 from engine.testing import make_tiny_checkpoint
-from kvtransfer import KVConsumer, KVProducer, Location, MockBackend, MockHub, TransferConfig
+from kvtransfer import KVConsumer, KVLocation, KVProducer, MockBackend, MockHub, TransferConfig
 from scheduler.messages import (
     Dispatch,
     GenerationSpec,
@@ -75,9 +75,9 @@ class Pair:
         self.endpoints: list[object] = []
         for name in ("a", "b"):
             engine = build_engine(cfg, role="decode")
-            consumer = KVConsumer(engine.pool, location=Location("n0"), config=tcfg,
+            consumer = KVConsumer(engine.pool, location=KVLocation("n0"), config=tcfg,
                                   backend=MockBackend(hub))
-            producer = KVProducer(engine.pool, location=Location("n0"), config=tcfg,
+            producer = KVProducer(engine.pool, location=KVLocation("n0"), config=tcfg,
                                   backend=MockBackend(hub))
             self.endpoints += [consumer, producer]
             costs = StepCosts(CPU_PRIOR)

@@ -23,14 +23,14 @@ from engine.service import bytes_per_block
 from engine.testing import make_tiny_checkpoint
 from kvtransfer import (
     KVConsumer,
+    KVLocation,
     KVProducer,
-    Location,
     MockBackend,
     MockHub,
     TensorKVStore,
     TransferConfig,
 )
-from scheduler.messages import Dispatch, GenerationSpec, SamplingSpec, StartPrefill
+from scheduler.messages import Dispatch, GenerationSpec, KVTicket, SamplingSpec, StartPrefill
 from scheduler.step_costs import CPU_PRIOR, StepCosts
 from scheduler.topology import WorkerInfo, WorkerRole
 
@@ -55,10 +55,10 @@ def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path
     engine = build_engine(cfg, role="decode")
     hub = MockHub()
     tcfg = TransferConfig(stall_timeout_s=5.0, part_bytes=2 * bytes_per_block(engine))
-    consumer = KVConsumer(engine.pool, location=Location("n0"), config=tcfg, backend=MockBackend(hub))
+    consumer = KVConsumer(engine.pool, location=KVLocation("n0"), config=tcfg, backend=MockBackend(hub))
     layout = consumer.layout
     source = TensorKVStore(layout, 16, fill="random")
-    producer = KVProducer(source, location=Location("n0"), config=tcfg, backend=MockBackend(hub))
+    producer = KVProducer(source, location=KVLocation("n0"), config=tcfg, backend=MockBackend(hub))
     freed: list[tuple[bool, bool]] = []  # (transfer terminal, receives released) at each free
     records = {}
     engine_abort = engine.abort
@@ -71,7 +71,7 @@ def test_an_aborted_reservation_is_freed_only_after_its_transfer_ended(tiny_path
 
     engine.abort = watched_abort
     events: list[object] = []
-    tickets: dict[str, dict] = {}
+    tickets: dict[str, KVTicket] = {}
 
     async def report(rep: object) -> None:
         events.append(rep)

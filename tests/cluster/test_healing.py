@@ -28,6 +28,7 @@ from scheduler.messages import (
     WorkerEvent,
     WorkerHello,
     WorkerReport,
+    WorkerSetup,
     decode,
 )
 from scheduler.request import RequestState
@@ -77,9 +78,8 @@ def make_service(client: FakeClient, *, expected: tuple[str, ...] = ("p0", "d0")
 
 def hello(wid: str, inc: str, held: tuple[HeldRequest, ...] = ()) -> WorkerHello:
     role = "decode" if wid.startswith("d") else "prefill"
-    info = {"worker_id": wid, "role": role, "num_total_blocks": 64, "num_free_blocks": 64,
-            "bytes_per_block": 4096, "max_model_len": 1024,
-            "location": {"node": "n", "device": "cpu", "nvlink_domain": "A"}}
+    info = WorkerSetup(node="n", device="cpu", nvlink_domain="A", num_total_blocks=64,
+                       num_free_blocks=64, bytes_per_block=4096, max_model_len=1024)
     return WorkerHello(wid, role, inc, info, held)
 
 

@@ -22,8 +22,8 @@ from engine.stub import make_stub_engine
 from kvtransfer import (
     KVConsumer,
     KVLayout,
+    KVLocation,
     KVProducer,
-    Location,
     MockBackend,
     MockHub,
     TensorKVStore,
@@ -76,10 +76,10 @@ def make_rig(policy: str, *, num_blocks: int, chunk: int, tcfg: TransferConfig |
     engine = make_stub_engine(num_blocks, BS, max_num_seqs=8, max_num_batched_tokens=chunk)
     tcfg = tcfg or TransferConfig(stall_timeout_s=5.0, start_timeout_s=30.0)
     hub = MockHub()
-    producer = KVProducer(engine.pool, location=Location("n0"), config=tcfg,
+    producer = KVProducer(engine.pool, location=KVLocation("n0"), config=tcfg,
                           backend=MockBackend(hub))
     dst = TensorKVStore(KVLayout.of(engine.pool.kv_layout()), 256)
-    consumer = KVConsumer(dst, location=Location("n0"), config=tcfg, backend=MockBackend(hub))
+    consumer = KVConsumer(dst, location=KVLocation("n0"), config=tcfg, backend=MockBackend(hub))
     costs = StepCosts(CPU_PRIOR)
     info = WorkerInfo("prefill-0", WorkerRole.PREFILL, "n0", "cpu", "d0", engine.num_total_blocks)
     holder: list[Rig] = []

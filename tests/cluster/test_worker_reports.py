@@ -17,7 +17,7 @@ from cluster.scheduler_link import SchedulerLink
 from cluster.worker_setup import limits, worker_policy
 from decode_pool.worker import DecodeWorker
 from engine.stub import make_stub_engine
-from kvtransfer import KVConsumer, Location, MockBackend, MockHub, TransferConfig
+from kvtransfer import KVConsumer, KVLocation, MockBackend, MockHub, TransferConfig
 from scheduler.messages import (
     Dispatch,
     GenerationSpec,
@@ -43,7 +43,7 @@ def test_a_report_that_fails_keeps_its_events_for_the_next(failure: str) -> None
                   "num_kv_blocks": 64, "prefill_chunk_size": 16,
                   "max_num_batched_tokens": 16, "max_num_seqs": 8}})
     engine = make_stub_engine(64, 4, max_num_seqs=8, max_num_batched_tokens=16)
-    consumer = KVConsumer(engine.pool, location=Location("n0"), config=TransferConfig(),
+    consumer = KVConsumer(engine.pool, location=KVLocation("n0"), config=TransferConfig(),
                           backend=MockBackend(MockHub()))
     failed: list[WorkerReport] = []
     delivered: list[WorkerReport] = []

@@ -18,7 +18,7 @@ from cluster.worker_runtime import build_engine
 from cluster.worker_setup import limits, worker_policy
 from decode_pool.worker import DecodeWorker
 from engine.testing import make_tiny_checkpoint
-from kvtransfer import KVConsumer, Location, MockBackend, MockHub, TransferConfig
+from kvtransfer import KVConsumer, KVLocation, MockBackend, MockHub, TransferConfig
 from scheduler.messages import (
     Dispatch,
     GenerationSpec,
@@ -54,7 +54,7 @@ def test_a_poisoned_request_ends_alone_with_its_error(tiny_path: Path) -> None:
                                              "mode": "aggregated", "num_prefill": 0}})
     engine = build_engine(cfg, role="decode")
     engine.runner = PoisonRunner(engine.runner)
-    consumer = KVConsumer(engine.pool, location=Location("n0"), config=TransferConfig(),
+    consumer = KVConsumer(engine.pool, location=KVLocation("n0"), config=TransferConfig(),
                           backend=MockBackend(MockHub()))
     reports: list[object] = []
     started: list[str] = []

@@ -13,6 +13,8 @@ import time
 import msgpack
 import torch
 
+from scheduler.messages import encode
+
 
 def read_message(stream) -> dict:
     head = stream.read(4)
@@ -31,13 +33,13 @@ def write_message(stream, msg: dict) -> None:
 def main() -> int:
     torch.set_num_threads(1)
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from kvtransfer import DistBackend, KVConsumer, Location, TransferConfig, TransferState
+    from kvtransfer import DistBackend, KVConsumer, KVLocation, TransferConfig, TransferState
     from kvtransfer.testing import wait_terminal
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     init = read_message(stdin)
     engine = LLMEngine(EngineConfig(**init["engine"]))
-    consumer = KVConsumer(engine.pool, location=Location("node-0", "cpu"),
+    consumer = KVConsumer(engine.pool, location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(stall_timeout_s=30.0), backend=DistBackend())
     write_message(stdout, {"ready": True, "block_major": engine.pool.block_major})
     while True:
@@ -54,7 +56,7 @@ def main() -> int:
                                        prompt_token_ids=cmd["prompt"])
             cached = engine.num_reserved_cached_blocks(cmd["req_id"])
             ticket = consumer.expect(cmd["req_id"], block_ids, present=list(range(cached)))
-            write_message(stdout, {"ticket": ticket, "cached": cached})
+            write_message(stdout, {"ticket": encode(ticket), "cached": cached})
         elif op == "decode":
             status = wait_terminal(consumer, cmd["req_id"], 60)
             if status is None or status.state is not TransferState.DONE:

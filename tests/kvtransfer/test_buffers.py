@@ -17,8 +17,8 @@ import torch
 from kvtransfer import (
     KVConsumer,
     KVLayout,
+    KVLocation,
     KVProducer,
-    Location,
     MockBackend,
     MockHub,
     TensorKVStore,
@@ -189,8 +189,8 @@ def test_pushes_beyond_the_inline_sends_in_flight_still_arrive_and_are_reaped():
                          part_bytes=layout.bytes_per_block)  # one block per segment
     src = random_store(layout, 16, seed=3)
     dst = TensorKVStore(layout, 16)
-    consumer = KVConsumer(dst, location=Location("n0", "cpu"), config=cfg, backend=MockBackend(hub))
-    producer = KVProducer(src, location=Location("n0", "cpu"), config=cfg, backend=MockBackend(hub))
+    consumer = KVConsumer(dst, location=KVLocation("n0", "cpu"), config=cfg, backend=MockBackend(hub))
+    producer = KVProducer(src, location=KVLocation("n0", "cpu"), config=cfg, backend=MockBackend(hub))
     try:
         slots = [8, 9, 10, 11, 12, 13]
         producer.begin(consumer.expect("r", slots))

@@ -22,10 +22,12 @@ import msgpack
 import pytest
 import torch
 
+from scheduler.messages import KVTicket, decode
+
 engine = pytest.importorskip("engine")
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.testing import make_tiny_checkpoint  # noqa: E402
-from kvtransfer import DistBackend, KVProducer, Location, TransferConfig, TransferState  # noqa: E402
+from kvtransfer import DistBackend, KVLocation, KVProducer, TransferConfig, TransferState  # noqa: E402
 from kvtransfer.testing import wait_terminal  # noqa: E402
 
 torch.set_num_threads(1)
@@ -88,7 +90,7 @@ def setup(tmp_path_factory):
     config = {"model": str(path), "dtype": "float32", "device": "cpu", "block_size": 16,
               "num_kv_blocks": 64, "prefill_chunk_size": 16, "max_num_batched_tokens": 64}
     prefill = LLMEngine(EngineConfig(**config))
-    producer = KVProducer(prefill.pool, location=Location("node-0", "cpu"),
+    producer = KVProducer(prefill.pool, location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(stall_timeout_s=30.0), backend=DistBackend())
     peer = DecodePeer(config)
     yield config, prefill, producer, peer
@@ -111,7 +113,7 @@ def reference_tokens(config: dict, prompt: list[int]) -> list[int]:
 
 def disaggregated_tokens(prefill, producer, peer, req_id: str, prompt: list[int]) -> tuple[list[int], int]:
     reply = peer.call("reserve", req_id=req_id, prompt=prompt)
-    ticket = reply["ticket"]
+    ticket = decode(reply["ticket"], expect=KVTicket)  # as a decode worker's StartPrefill has it
     producer.begin(ticket)
     prefill.add_request(req_id, prompt, SamplingParams(max_tokens=MAX_TOKENS), prefill_only=True)
     first_token = None
@@ -129,7 +131,7 @@ def disaggregated_tokens(prefill, producer, peer, req_id: str, prompt: list[int]
     assert status.state is TransferState.DONE, status
     prefill.release(req_id)  # the producer side is terminal: the source blocks are ours again
     tokens = peer.call("decode", req_id=req_id, prompt=prompt, first_token=first_token,
-                       max_tokens=MAX_TOKENS, ticket_block_ids=ticket["block_ids"])["tokens"]
+                       max_tokens=MAX_TOKENS, ticket_block_ids=list(ticket.block_ids))["tokens"]
     return tokens, reply["cached"], num_pushes
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import DistBackend, KVProducer, Location, Side, TransferConfig, TransferState
+from kvtransfer import DistBackend, KVLocation, KVProducer, Side, TransferConfig, TransferState
 from kvtransfer.testing import PeerProcess, make_layout, seeded_store, wait_terminal
 
 torch.set_num_threads(1)
@@ -56,7 +56,7 @@ def producer_for():
     def get(layer_major: bool, checksum: bool = False, frames: bool | None = None) -> KVProducer:
         key = (layer_major, checksum, frames)
         if key not in made:
-            made[key] = KVProducer(SOURCES[layer_major], location=Location("node-0", "cpu"),
+            made[key] = KVProducer(SOURCES[layer_major], location=KVLocation("node-0", "cpu"),
                                    config=TransferConfig(**{**CONFIG, "checksum": checksum}),
                                    backend=DistBackend(frames=frames))
         return made[key]

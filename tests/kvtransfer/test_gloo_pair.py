@@ -7,8 +7,8 @@ msgpack commands.
 
 from __future__ import annotations
 
-import copy
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,8 +18,8 @@ from kvtransfer import (
     DistBackend,
     FailReason,
     KVConsumer,
+    KVLocation,
     KVProducer,
-    Location,
     Side,
     TopologyClass,
     TransferConfig,
@@ -48,7 +48,7 @@ SOURCE = seeded_store(make_layout(LAYOUT), 64, seed=7)
 
 @pytest.fixture(scope="module")
 def producer():
-    endpoint = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+    endpoint = KVProducer(SOURCE, location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**{**CONFIG, "checksum": False}),
                           backend=DistBackend())
     yield endpoint
@@ -84,14 +84,15 @@ def test_stream_in_chunks_skips_prefix_hits(consumer_peer, producer):
     assert len(stats) == 1
     assert (stats[0].num_blocks, stats[0].num_skipped_blocks) == (4, 2)
     assert stats[0].num_bytes == 4 * BLOCK_BYTES
-    assert stats[0].topology is TopologyClass.SAME_DEVICE and stats[0].backend == "gloo"
+    # two CPU pools on one node, no NVLink domain given: the scheduler's class for them
+    assert stats[0].topology is TopologyClass.SAME_NODE and stats[0].backend == "gloo"
     remote = [s for s in consumer_peer.call("stats")["stats"] if s["req_id"] == "r-stream"]
     assert remote[0]["state"] == "done" and remote[0]["num_bytes"] == 4 * BLOCK_BYTES
 
 
 def test_unknown_request_is_refused(consumer_peer, producer):
     ticket = consumer_peer.call("expect", req_id="r-real", block_ids=[20, 21])["ticket"]
-    forged = {**ticket, "req_id": "r-ghost"}
+    forged = replace(ticket, req_id="r-ghost")
     producer.begin(forged)
     producer.push("r-ghost", [1, 2])
     status = wait_terminal(producer, "r-ghost", WAIT)
@@ -103,8 +104,8 @@ def test_unknown_request_is_refused(consumer_peer, producer):
 
 def test_block_ids_not_matching_the_reservation_are_refused_before_any_write(consumer_peer, producer):
     ticket = consumer_peer.call("expect", req_id="r-ids", block_ids=[22, 23, 24])["ticket"]
-    forged = copy.deepcopy(ticket)
-    forged["block_ids"][2] = 30  # a slot the consumer did not reserve for this request
+    # a slot the consumer did not reserve for this request
+    forged = replace(ticket, block_ids=(*ticket.block_ids[:2], 30))
     producer.begin(forged)
     producer.push("r-ids", [1, 2, 3])
     status = wait_terminal(producer, "r-ids", WAIT)
@@ -117,8 +118,7 @@ def test_block_ids_not_matching_the_reservation_are_refused_before_any_write(con
 
 def test_block_count_not_matching_the_reservation_is_refused(consumer_peer, producer):
     ticket = consumer_peer.call("expect", req_id="r-count", block_ids=[25, 26])["ticket"]
-    forged = copy.deepcopy(ticket)
-    forged["block_ids"].append(27)
+    forged = replace(ticket, block_ids=(*ticket.block_ids, 27))
     producer.begin(forged)
     producer.push("r-count", [1, 2, 3])
     status = wait_terminal(producer, "r-count", WAIT)
@@ -128,7 +128,7 @@ def test_block_count_not_matching_the_reservation_is_refused(consumer_peer, prod
 
 
 def test_checksummed_transfer_arrives_intact(consumer_peer, producer):
-    checked = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+    checked = KVProducer(SOURCE, location=KVLocation("node-0", "cpu"),
                          config=TransferConfig(**CONFIG), backend=DistBackend())
     try:
         ticket = consumer_peer.call("expect", req_id="r-crc", block_ids=[47, 48, 49])["ticket"]
@@ -154,12 +154,13 @@ def test_runs_go_pool_to_pool_and_scattered_sources_are_staged(consumer_peer, pr
 
 def test_dtype_not_matching_the_reservation_is_refused(consumer_peer):
     layout = make_layout({**LAYOUT, "dtype": "bfloat16"})
-    bf16 = KVProducer(seeded_store(layout, 8, seed=3), location=Location("node-0", "cpu"),
+    bf16 = KVProducer(seeded_store(layout, 8, seed=3), location=KVLocation("node-0", "cpu"),
                       config=TransferConfig(**CONFIG), backend=DistBackend())
     try:
         ticket = consumer_peer.call("expect", req_id="r-dtype", block_ids=[28, 29])["ticket"]
-        lying = copy.deepcopy(ticket)
-        lying["consumer"]["layout"]["dtype"] = "bfloat16"  # a stale ticket from another pool
+        # a stale ticket from another pool
+        lying = replace(ticket, consumer=replace(
+            ticket.consumer, layout=replace(ticket.consumer.layout, dtype="bfloat16")))
         bf16.begin(lying)
         bf16.push("r-dtype", [0, 1])
         status = wait_terminal(bf16, "r-dtype", WAIT)
@@ -246,7 +247,7 @@ def test_a_paused_transfer_kept_alive_outlives_both_timeouts_and_completes():
     the producer's caller vouches for it every turn, the Keepalive messages cross the pair,
     and neither side calls it stalled; it then completes byte for byte."""
     peer = PeerProcess("consumer", LAYOUT, 16, config=KEEP)
-    producer = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+    producer = KVProducer(SOURCE, location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**KEEP), backend=DistBackend())
     try:
         ticket = peer.call("expect", req_id="r-kept", block_ids=[1, 2, 3, 4])["ticket"]
@@ -271,7 +272,7 @@ def test_a_frozen_producer_is_still_found_stalled_while_its_transfer_is_paused()
     """Keepalives come from the producer's process: once it stops (SIGSTOP), none reaches
     the consumer and the paused transfer fails there on its stall timeout."""
     layout = make_layout(LAYOUT)
-    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=Location("node-0", "cpu"),
+    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**KEEP), backend=DistBackend())
     peer = PeerProcess("producer", LAYOUT, 16, seed=2, config=KEEP)
     try:
@@ -300,7 +301,7 @@ BIG = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128, "block_size": 16,
 def test_frozen_consumer_that_cannot_take_the_blocks_fails_both_sides_and_the_pair():
     peer = PeerProcess("consumer", BIG, 50, config=CONFIG)
     producer = KVProducer(seeded_store(make_layout(BIG), 50, seed=4),
-                          location=Location("node-0", "cpu"),
+                          location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**{**CONFIG, "checksum": False}),
                           backend=DistBackend())
     try:
@@ -326,7 +327,7 @@ def test_a_cancel_the_producer_never_releases_closes_the_pair():
     """The consumer aborts while the producer process is stopped: the posted receive waits
     for the producer's release, then, past the stall timeout, the pair is closed."""
     layout = make_layout(LAYOUT)
-    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=Location("node-0", "cpu"),
+    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**CONFIG), backend=DistBackend())
     peer = PeerProcess("producer", LAYOUT, 16, seed=2, config={**CONFIG, "checksum": False})
     try:
@@ -359,7 +360,7 @@ def test_a_cancel_the_producer_never_releases_closes_the_pair():
 def test_consumer_death_mid_transfer_fails_the_producer():
     peer = PeerProcess("consumer", LAYOUT, 16, config=CONFIG)
     layout = make_layout(LAYOUT)
-    producer = KVProducer(seeded_store(layout, 16, seed=1), location=Location("node-0", "cpu"),
+    producer = KVProducer(seeded_store(layout, 16, seed=1), location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**{**CONFIG, "stall_timeout_s": 60.0}),
                           backend=DistBackend())
     try:
@@ -378,7 +379,7 @@ def test_consumer_death_mid_transfer_fails_the_producer():
 
 def test_producer_death_mid_transfer_fails_the_consumer():
     layout = make_layout(LAYOUT)
-    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=Location("node-0", "cpu"),
+    consumer = KVConsumer(seeded_store(layout, 16, seed=None), location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**{**CONFIG, "stall_timeout_s": 60.0}),
                           backend=DistBackend())
     peer = PeerProcess("producer", LAYOUT, 16, seed=2, config=CONFIG)

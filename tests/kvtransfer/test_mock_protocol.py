@@ -4,6 +4,7 @@ over torch.distributed, for the layers above (worker actors) to test against."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -13,8 +14,8 @@ from kvtransfer import (
     FailReason,
     KVConsumer,
     KVLayout,
+    KVLocation,
     KVProducer,
-    Location,
     MockBackend,
     MockHub,
     Side,
@@ -24,6 +25,7 @@ from kvtransfer import (
     TransferState,
 )
 from kvtransfer.testing import wait_terminal
+from scheduler.messages import KVTicket, decode, encode
 
 torch.set_num_threads(1)
 
@@ -39,9 +41,9 @@ def make_pair(config: TransferConfig | None = None, *, producer_loc=None, consum
                                    part_bytes=2 * LAYOUT.bytes_per_block)
     src = TensorKVStore(LAYOUT, 32, fill="random", layer_major=producer_layer_major)
     dst = TensorKVStore(LAYOUT, 32, layer_major=consumer_layer_major)
-    consumer = KVConsumer(dst, location=consumer_loc or Location("n0", "cpu"), config=cfg,
+    consumer = KVConsumer(dst, location=consumer_loc or KVLocation("n0", "cpu"), config=cfg,
                           backend=MockBackend(hub))
-    producer = KVProducer(src, location=producer_loc or Location("n0", "cpu"), config=cfg,
+    producer = KVProducer(src, location=producer_loc or KVLocation("n0", "cpu"), config=cfg,
                           backend=MockBackend(hub))
     return src, dst, consumer, producer
 
@@ -57,7 +59,7 @@ def pair():
 def test_blocks_stream_into_the_reserved_slots(pair):
     src, dst, consumer, producer = pair
     ticket = consumer.expect("r1", [4, 9, 2, 7, 11])
-    assert msgpack.unpackb(msgpack.packb(ticket)) == ticket  # control plane carries it as is
+    assert decode(encode(ticket), expect=KVTicket) == ticket  # as the control plane carries it
     producer.begin(ticket)
     assert producer.poll("r1").state is TransferState.PENDING
     producer.push("r1", [0, 1])
@@ -125,10 +127,10 @@ def test_bad_expect_and_ticket_are_refused(pair):
     consumer.expect("r6", [1, 2])
     with pytest.raises(ValueError, match="already exists"):
         consumer.expect("r6", [3])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="KVTicket"):
         producer.begin({"req_id": "r6"})
-    with pytest.raises(ValueError):
-        producer.begin({**consumer.expect("r7", [4]), "block_ids": ["x"]})
+    with pytest.raises(ValueError, match="block_ids"):
+        producer.begin(replace(consumer.expect("r7", [4]), block_ids=("x",)))
 
 
 def test_abort_from_either_side_mirrors_on_the_other(pair):
@@ -243,7 +245,7 @@ def test_consumer_leaving_ends_the_producer_side():
 def test_unknown_request_is_refused_on_both_ends(pair):
     _, _, consumer, producer = pair
     ticket = consumer.expect("u1", [1])
-    producer.begin({**ticket, "req_id": "u-ghost"})
+    producer.begin(replace(ticket, req_id="u-ghost"))
     status = wait_terminal(producer, "u-ghost", WAIT)
     assert (status.state, status.reason) == (TransferState.FAILED, FailReason.UNKNOWN_REQUEST)
 
@@ -252,7 +254,7 @@ def test_layout_mismatch_fails_at_begin(pair):
     _, _, consumer, _ = pair
     other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2,
                      dtype=torch.bfloat16, device=torch.device("cpu"))
-    producer = KVProducer(TensorKVStore(other, 4), location=Location("n0"),
+    producer = KVProducer(TensorKVStore(other, 4), location=KVLocation("n0"),
                           backend=MockBackend(MockHub()))
     try:
         producer.begin(consumer.expect("m1", [1]))
@@ -265,10 +267,14 @@ def test_layout_mismatch_fails_at_begin(pair):
 @pytest.mark.parametrize(
     ("producer_loc", "consumer_loc", "topology"),
     [
-        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:0", "d0"), TopologyClass.SAME_DEVICE),
-        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:1", "d0"), TopologyClass.SAME_NVLINK_DOMAIN),
-        (Location("n0", "cuda:0", "d0"), Location("n0", "cuda:4", "d1"), TopologyClass.SAME_NODE),
-        (Location("n0", "cpu"), Location("n1", "cpu"), TopologyClass.CROSS_NODE),
+        (KVLocation("n0", "cuda:0", "d0"), KVLocation("n0", "cuda:0", "d0"), TopologyClass.SAME_DEVICE),
+        (KVLocation("n0", "cuda:0", "d0"), KVLocation("n0", "cuda:1", "d0"), TopologyClass.SAME_DOMAIN),
+        (KVLocation("n0", "cuda:0", "d0"), KVLocation("n0", "cuda:4", "d1"), TopologyClass.SAME_NODE),
+        (KVLocation("n0", "cpu"), KVLocation("n1", "cpu"), TopologyClass.CROSS_NODE),
+        # two CPU pools never share a device: a block crosses a socket between them
+        (KVLocation("n0", "cpu"), KVLocation("n0", "cpu"), TopologyClass.SAME_NODE),
+        (KVLocation("n0", "cpu", "n0/host"), KVLocation("n0", "cpu", "n0/host"),
+         TopologyClass.SAME_DOMAIN),
     ],
 )
 def test_every_transfer_records_its_topology_bytes_and_duration(producer_loc, consumer_loc, topology):
@@ -291,9 +297,9 @@ def test_every_transfer_records_its_topology_bytes_and_duration(producer_loc, co
 def test_one_producer_serves_many_consumers():
     hub = MockHub()
     src = TensorKVStore(LAYOUT, 16, fill="random")
-    producer = KVProducer(src, location=Location("n0"), backend=MockBackend(hub))
+    producer = KVProducer(src, location=KVLocation("n0"), backend=MockBackend(hub))
     stores = [TensorKVStore(LAYOUT, 8) for _ in range(3)]
-    consumers = [KVConsumer(store, location=Location("n0"), backend=MockBackend(hub))
+    consumers = [KVConsumer(store, location=KVLocation("n0"), backend=MockBackend(hub))
                  for store in stores]
     try:
         for i, consumer in enumerate(consumers):
@@ -319,7 +325,7 @@ def test_segments_arrive_whatever_the_sources_and_slots():
     try:
         slots = [10, 11, 12, 13, 3, 8, 5, 6]  # segments [10-12] [13] [3] [8] [5, 6]
         ticket = consumer.expect("d1", slots)
-        assert ticket["segment_blocks"] == 3
+        assert ticket.segment_blocks == 3
         producer.begin(ticket)
         producer.push("d1", [20, 21, 22, 23, 1, 2])  # a run of sources, then scattered ones
         producer.push("d1", [9, 7])  # the last segment's sources are in reverse order

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import DistBackend, KVProducer, Location, TransferConfig, TransferState
+from kvtransfer import DistBackend, KVLocation, KVProducer, TransferConfig, TransferState
 from kvtransfer.testing import PeerProcess, make_layout, seeded_store, wait_terminal
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,7 @@ def nccl_pair():
     peer = PeerProcess("consumer", {**LAYOUT, "device": "cuda:1"}, 64,
                        config={"stall_timeout_s": 20.0})
     source = seeded_store(make_layout({**LAYOUT, "device": "cuda:0"}), 64, seed=5)
-    producer = KVProducer(source, location=Location("node-0", "cuda:0", "nvl-0"),
+    producer = KVProducer(source, location=KVLocation("node-0", "cuda:0", "nvl-0"),
                           config=TransferConfig(stall_timeout_s=20.0),
                           backend=DistBackend())
     yield peer, source, producer

@@ -5,6 +5,7 @@ that holds one of its tickets (the ticket's secret, proven by an HMAC in the Hel
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from kvtransfer import (
     DistBackend,
     KVConsumer,
     KVLayout,
+    KVLocation,
     KVProducer,
-    Location,
     MockBackend,
     MockHub,
     TensorKVStore,
@@ -25,6 +26,7 @@ from kvtransfer import (
     wire,
 )
 from kvtransfer.testing import wait_terminal
+from scheduler.messages import KVServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32,
                   device=torch.device("cpu"))
@@ -42,10 +44,10 @@ def test_the_store_listens_on_the_advertised_address_only() -> None:
     backend = DistBackend()
     address = backend.listen("127.0.0.1")
     try:
-        assert _connects("127.0.0.1", address["port"])
+        assert _connects("127.0.0.1", address.port)
         # Another address of this machine (still loopback, so the test stays on it): a
         # server bound to every interface would accept here too (TCPStore's default).
-        assert not _connects("127.0.0.2", address["port"])
+        assert not _connects("127.0.0.2", address.port)
     finally:
         backend.shutdown()
 
@@ -56,10 +58,10 @@ def make_pair(connect_timeout_s: float = 1.0, hub: MockHub | None = None
     cfg = TransferConfig(stall_timeout_s=5.0, start_timeout_s=5.0,
                          connect_timeout_s=connect_timeout_s)
     dst = TensorKVStore(LAYOUT, 16)
-    consumer = KVConsumer(dst, location=Location("n0", "cpu"), config=cfg,
+    consumer = KVConsumer(dst, location=KVLocation("n0", "cpu"), config=cfg,
                           backend=MockBackend(hub))
     producer = KVProducer(TensorKVStore(LAYOUT, 16, fill="random"),
-                          location=Location("n0", "cpu"), config=cfg, backend=MockBackend(hub))
+                          location=KVLocation("n0", "cpu"), config=cfg, backend=MockBackend(hub))
     return dst, consumer, producer
 
 
@@ -67,7 +69,7 @@ def test_a_producer_without_the_secret_is_refused() -> None:
     _, consumer, producer = make_pair()
     try:
         ticket = consumer.expect("r", [1, 2])
-        forged = {**ticket, "consumer": {**ticket["consumer"], "secret": "guessed"}}
+        forged = replace(ticket, secret="guessed")
         producer.begin(forged)
         producer.push("r", [3, 4])
         status = wait_terminal(producer, "r", 20.0)
@@ -90,10 +92,11 @@ def test_the_real_ticket_opens_the_pair_and_a_replayed_hello_is_refused() -> Non
         assert wait_terminal(consumer, "r", 20.0).state is TransferState.DONE
         assert consumer.num_refused_pairs == 0 and consumer.peers() == [producer.endpoint_id]
         # A Hello seen once (a valid proof for its pair) is refused the second time.
-        secret = ticket["consumer"]["secret"]
-        hello = wire.encode(wire.Hello("p-x-1", "p-x", {}, {}, {},
-                                       auth.pair_proof(secret, "p-x-1", "p-x")))
-        queue = MockBackend(hub).open_queue(ticket["consumer"]["server"], 5.0)
+        consumer_at = ticket.consumer
+        hello = wire.encode(wire.Hello("p-x-1", "p-x", consumer_at.server, consumer_at.location,
+                                       consumer_at.layout,
+                                       auth.pair_proof(ticket.secret, "p-x-1", "p-x")))
+        queue = MockBackend(hub).open_queue(consumer_at.server, 5.0)
         queue.push(wire.ACCEPT_KEY, hello)
         queue.push(wire.ACCEPT_KEY, hello)
         assert wait_until(lambda: consumer.num_refused_pairs == 1, 10.0)
@@ -106,9 +109,8 @@ def test_ticket_without_secret_is_refused_by_the_producer() -> None:
     _, consumer, producer = make_pair()
     try:
         ticket = consumer.expect("r", [1])
-        consumer_part = {k: v for k, v in ticket["consumer"].items() if k != "secret"}
         with pytest.raises(ValueError, match="secret"):
-            producer.begin({**ticket, "consumer": consumer_part})
+            producer.begin(replace(ticket, secret=""))
     finally:
         producer.close()
         consumer.close()
@@ -120,5 +122,6 @@ def test_proofs_bind_the_pair_and_the_producer() -> None:
     assert not auth.is_valid_proof("s", "pair-2", "p-1", proof)
     assert not auth.is_valid_proof("s", "pair-1", "p-2", proof)
     assert not auth.is_valid_proof("t", "pair-1", "p-1", proof)
-    hello = wire.Hello("pair-1", "p-1", {}, {}, {}, proof)
+    hello = wire.Hello("pair-1", "p-1", KVServer("127.0.0.1", 1), KVLocation("n0"),
+                       LAYOUT.shape(), proof)
     assert wire.decode(wire.encode(hello)) == hello

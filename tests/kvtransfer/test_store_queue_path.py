@@ -5,14 +5,21 @@ both ends."""
 
 from __future__ import annotations
 
-import copy
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from kvtransfer import DistBackend, FailReason, KVProducer, Location, TransferConfig, TransferState
+from kvtransfer import (
+    DistBackend,
+    FailReason,
+    KVLocation,
+    KVProducer,
+    TransferConfig,
+    TransferState,
+)
 from kvtransfer.testing import PeerProcess, make_layout, seeded_store, wait_terminal
 
 torch.set_num_threads(1)
@@ -26,7 +33,7 @@ SOURCE = seeded_store(make_layout(LAYOUT), 32, seed=11)
 @pytest.fixture(scope="module")
 def endpoints():
     peer = PeerProcess("consumer", LAYOUT, 32, config=CONFIG, frames=False)
-    producer = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+    producer = KVProducer(SOURCE, location=KVLocation("node-0", "cpu"),
                           config=TransferConfig(**CONFIG), backend=DistBackend(frames=False))
     yield peer, producer
     producer.close()
@@ -43,7 +50,7 @@ def test_segments_through_store_headers(endpoints, checksum):
     peer, producer = endpoints
     endpoint = producer
     if checksum:
-        endpoint = KVProducer(SOURCE, location=Location("node-0", "cpu"),
+        endpoint = KVProducer(SOURCE, location=KVLocation("node-0", "cpu"),
                               config=TransferConfig(**{**CONFIG, "checksum": True}),
                               backend=DistBackend(frames=False))
     try:
@@ -65,8 +72,7 @@ def test_segments_through_store_headers(endpoints, checksum):
 def test_refusal_and_abort_through_store_headers(endpoints):
     peer, producer = endpoints
     ticket = peer.call("expect", req_id="q-bad", block_ids=[25, 26])["ticket"]
-    forged = copy.deepcopy(ticket)
-    forged["block_ids"][1] = 27
+    forged = replace(ticket, block_ids=(ticket.block_ids[0], 27))
     producer.begin(forged)
     producer.push("q-bad", [1, 2])
     status = wait_terminal(producer, "q-bad", 30)

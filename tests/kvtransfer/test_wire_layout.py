@@ -1,5 +1,5 @@
-"""Metadata on the wire (msgpack only), the two pool layouts, the segment plan, topology
-classes, configuration."""
+"""Metadata on the wire (msgpack only), the two pool layouts, the segment plan,
+configuration."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer import KVLayout, Location, TensorKVStore, TopologyClass, TransferConfig, wire
+from kvtransfer import KVLayout, KVLocation, TensorKVStore, TransferConfig, wire
 from kvtransfer.buffers import Frame
 from kvtransfer.layout import check_pool, is_block_major
 from kvtransfer.plan import plan_segments, segment_blocks_for, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferState
 from kvtransfer.transfers import block_runs
+from scheduler.messages import KVPoolShape, KVServer, decode, encode
 
 torch.set_num_threads(1)
 
@@ -22,7 +23,7 @@ OPEN = wire.Open("r", 17, 2**63 + 5, 3, 2, 2, [0, 2], "bfloat16", [2, 1, 4], Tru
 
 
 @pytest.mark.parametrize("msg", [
-    wire.Hello("p-1", "prod", {"host": "h", "port": 1}, {"node_id": "n"}, LAYOUT.to_wire()),
+    wire.Hello("p-1", "prod", KVServer("h", 1), KVLocation("n"), LAYOUT.shape(), "proof"),
     OPEN,
     wire.Ready("r", 17),
     wire.Blocks("r", 17, 0, [2, 1], [1, 2**32 - 1]),
@@ -76,8 +77,8 @@ def test_layout_is_block_major():
     store = TensorKVStore(LAYOUT, 5, fill="random")
     assert store.kv_tensor()[2].is_contiguous() and store.kv_tensor()[1:4].is_contiguous()
     assert torch.equal(store.read_blocks([3, 1]), store.kv_tensor()[[3, 1]])
-    assert LAYOUT.matches_wire(msgpack.unpackb(msgpack.packb(LAYOUT.to_wire())))
-    assert not LAYOUT.matches_wire({**LAYOUT.to_wire(), "dtype": "float32"})
+    assert LAYOUT.shape() == KVPoolShape(2, 1, 4, 2, "bfloat16")
+    assert decode(encode(LAYOUT.shape()), expect=KVPoolShape) == LAYOUT.shape()
     with pytest.raises(ValueError):
         KVLayout(0, 1, 1, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError):
@@ -172,15 +173,14 @@ def test_block_runs():
     assert block_runs([]) == []
 
 
-def test_topology_classes():
-    a = Location("n0", "cuda:0", "nvl-0")
-    assert a.topology_to(Location("n0", "cuda:0", "nvl-0")) is TopologyClass.SAME_DEVICE
-    assert a.topology_to(Location("n0", "cuda:1", "nvl-0")) is TopologyClass.SAME_NVLINK_DOMAIN
-    assert a.topology_to(Location("n0", "cuda:1", None)) is TopologyClass.SAME_NODE
-    assert a.topology_to(Location("n1", "cuda:0", "nvl-0")) is TopologyClass.CROSS_NODE
-    assert Location.from_wire(msgpack.unpackb(msgpack.packb(a.to_wire()))) == a
-    with pytest.raises(ValueError):
-        Location.from_wire({"node_id": 1})
+def test_hello_with_a_malformed_location_is_a_protocol_error():
+    body = msgpack.unpackb(wire.encode(wire.Hello("p-1", "prod", KVServer("h", 1),
+                                                  KVLocation("n"), LAYOUT.shape())))
+    for field, bad in (("location", encode(KVServer("h", 1))),  # another message kind
+                       ("server", {"host": "h", "port": 1}),  # a plain map, not a message
+                       ("layout", b"\x93")):  # not msgpack
+        with pytest.raises(wire.ProtocolError, match=field):
+            wire.decode(msgpack.packb({**body, field: bad}))
 
 
 @pytest.mark.parametrize("field", ["stall_timeout_s", "start_timeout_s", "part_bytes",
