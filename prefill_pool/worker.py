@@ -96,14 +96,18 @@ class PrefillWorker:
             params = sampling_params(spec)
         except ValueError as e:
             return f"invalid: {e}"
-        req = kernel_request(spec, msg.block_hashes)
-        if (why := self.core.start(spec, req, msg.decode_worker_id, time.time())) is not None:
-            return why
+        if rid in self.core.jobs:
+            return "invalid: duplicate request id"
+        try:  # the ticket first: one it refuses leaves nothing in the engine
+            self.producer.begin(msg.ticket)
+        except ValueError as e:
+            return f"invalid: {e}"
+        self.core.start(spec, kernel_request(spec, msg.block_hashes), msg.decode_worker_id,
+                        time.time())
         # The engine adds it after the step running now, ahead of any step planned after
         # this: the planner has it at once, so the next step can run its first chunk.
         added = self._thread.submit(self.engine.add_request, rid, prompt, params,
                                     prefill_only=True)
-        self.producer.begin(msg.ticket)
         self._wake.set()
         try:
             await added

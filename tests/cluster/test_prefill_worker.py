@@ -7,6 +7,7 @@ failed while both peers were alive."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -373,3 +374,25 @@ def test_a_prompt_the_engine_refuses_is_answered_and_leaves_nothing_behind() -> 
         close(rig)
     assert refusal is not None and refusal.startswith("invalid:"), refusal
     assert "bad" not in rig.worker.core.planner.local and "bad" not in rig.worker.core.jobs
+
+
+def test_a_ticket_the_producer_refuses_leaves_nothing_in_the_engine() -> None:
+    """The ticket is checked before the engine takes the prompt: a refused one is answered
+    ``invalid`` and no request is left holding blocks with no job to release them."""
+    rig = make_rig("tierserve", num_blocks=128, chunk=8)
+
+    async def scenario() -> str | None:
+        rig.worker.start()
+        try:
+            ticket = dataclasses.replace(rig.consumer.expect("t", [0]), secret="")
+            return await rig.worker.start_request(StartPrefill(_spec("t", 8, 0), "decode-0",
+                                                               ticket))
+        finally:
+            await rig.worker.stop()
+
+    try:
+        refusal = asyncio.run(scenario())
+    finally:
+        close(rig)
+    assert refusal is not None and refusal.startswith("invalid:"), refusal
+    assert rig.worker.core.jobs == {} and rig.engine.request_state("t") is None
