@@ -63,7 +63,7 @@ _REQUEST_STATE = {PrefillStage.PREFILLING: RequestState.PREFILLING,
 
 @dataclass(slots=True)
 class Job:
-    spec: GenerationSpec
+    spec: GenerationSpec | None  # None in the simulator (no tokens there)
     decode_worker_id: str
     req: Request
     received: float  # when it reached this worker
@@ -124,13 +124,15 @@ class PrefillCore:
 
     # -- requests ------------------------------------------------------------------------
 
-    def start(self, spec: GenerationSpec, req: Request, decode_worker_id: str, now: float
-              ) -> str | None:
-        """Queue ``req``'s prefill (its KV goes to ``decode_worker_id``); None, or why not."""
+    def start(self, spec: GenerationSpec | None, req: Request, decode_worker_id: str,
+              now: float, *, num_cached_tokens: int = 0) -> str | None:
+        """Queue ``req``'s prefill (its KV goes to ``decode_worker_id``; the first
+        ``num_cached_tokens`` of it known cached); None, or why not."""
         if req.req_id in self.jobs:
             return "invalid: duplicate request id"
         self._move(Job(spec, decode_worker_id, req, now), PrefillStage.PREFILLING, "start", now)
-        self.planner.add_prefill(req, req.prompt_len, now)
+        self.planner.add_prefill(req, req.prompt_len - num_cached_tokens, now,
+                                 num_computed=num_cached_tokens)
         return None
 
     def end(self, req_id: str, why: str, now: float) -> Job | None:
@@ -184,6 +186,10 @@ class PrefillCore:
         self.planner.commit(plan, now, seconds=seconds, refused=refused, blocks=blocks,
                             computed=computed, decodes_here=False)
         self.num_steps += 1
+        return self.outputs(outputs, t)
+
+    def outputs(self, outputs: Iterable[PrefillOutput], t: float) -> StepOutcome:
+        """A committed step's outputs: what to send, to whom, and what to stop sending."""
         out = StepOutcome()
         seqs: dict[str, list[PrefillOutput]] = {}
         for o in outputs:
@@ -205,7 +211,8 @@ class PrefillCore:
             self.planner.remove(rid)
             self._move(job, PrefillStage.SENDING, "prefill_done", t)
             head = done[0]
-            finish = head.finish if job.spec.sampling.n == 1 else None
+            n = job.spec.sampling.n if job.spec is not None else 1
+            finish = head.finish if n == 1 else None
             out.firsts.setdefault(job.decode_worker_id, []).append(Prefilled(
                 rid, head.first_token, finish, t,
                 deltas=tuple(o.delta for o in done if o.delta is not None)))
@@ -220,7 +227,7 @@ class PrefillCore:
         return tuple(HeldRequest(j.spec, HeldStage.PREFILLING, 0, 0, self.worker_id,
                                  num_prefill_left=local[rid].num_prefill_left
                                  if rid in local else 0)
-                     for rid, j in self.jobs.items())
+                     for rid, j in self.jobs.items() if j.spec is not None)
 
     def report(self, num_free_blocks: int, num_total_blocks: int, memory: KVMemoryReport
                ) -> WorkerReport:

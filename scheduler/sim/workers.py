@@ -1,38 +1,28 @@
-"""Simulated workers: the mechanism the simulated cluster's kernel objects drive.
+"""Simulated workers: the mechanism under the worker cores the live workers run.
 
-A simulated worker holds what a live worker holds: a
-:class:`~scheduler.step_planner.WorkerScheduler` (its step planner, with its own policy
-instance and its own :class:`~scheduler.step_costs.StepCosts`), a KV block account and,
-on a prefill worker, a prefix cache. It runs the step plans its planner returns, takes
-their times from the cost model, commits them (where its StepCosts learn from those
-times, as a live worker's learn from wall time) and says what happened in a
-:class:`~scheduler.messages.WorkerReport`, the message a live worker sends. Its
-``Request`` objects are its own copies, built from what the wire carries; where the
-model emits EOS (the trace's output length) is the mechanism's, never the kernel's.
+A simulated worker holds what a live worker holds: a worker core
+(:class:`~scheduler.worker_core.DecodeCore` or :class:`~scheduler.prefill_core.PrefillCore`,
+the very objects the live decode and prefill workers drive) with its
+:class:`~scheduler.step_planner.WorkerScheduler` (its own policy instance and its own
+:class:`~scheduler.step_costs.StepCosts`). Every decision about a request (its stage,
+the events it reports, what a preempt order comes to, who finishes) is the core's; this
+module is the mechanism the live worker's engine, KV plane and clock are: a KV block
+account, on a prefill worker a prefix cache over the trace's prefix ids, and the cost
+model for each step's time (its StepCosts learn from those times, as a live worker's
+learn from wall time). It says what happened in a :class:`~scheduler.messages.WorkerReport`,
+the message a live worker sends. Its ``Request`` objects are its own copies, built from
+what the wire carries; where the model emits EOS (the trace's output length) is the
+mechanism's, never the kernel's.
 
-Life of a request on a simulated prefill worker (STYLE.md item 7):
-
-1. ``start_prefill``: its cached prefix is pinned in the prefix cache (what that evicts
-   goes out as BlockRemoved), the rest joins the planner's queue.
-2. steps, as planned: the first chunk of a request allocates all its blocks (the
-   engine's rule); a prefix hit from the host tier is copied in before that chunk.
-3. prefill done: PREFILL_DONE, the prefix unpinned, its new blocks out as BlockStored;
-   the KV blocks stay until the transfer to the decode worker ends (``release_kv``).
-
-On a simulated decode worker:
-
-1. ``reserve`` (the dispatch): the blocks are allocated, or the dispatch is refused.
-2. the prefill: remote (``prefilled``, then ``kv_arrived`` when the transfer ends:
-   DECODE_START) or here (``start_local_prefill``: PREFILL_DONE when it ends).
-3. steps, as planned: a decode whose next token starts a block gets one; the planner's
-   victims are evicted and swapped requests brought back before the step.
-4. EOS or ``max_tokens``: FINISHED_STOP / FINISHED_LENGTH, the blocks freed.
-5. preemption (the planner's victim, or the cluster's PreemptOrder at the next step):
-   swap out (back by swap-in, RESUMED_SWAP) or recompute here (prompt and output
-   prefilled again on this worker, RESUMED_RECOMPUTE). Blocks a PreemptOrder freed are
-   held for the request it names (``WorkerScheduler.hold_for``, as a live decode worker
-   does): the worker's own planner does not hand them to the victim's swap-in or
-   recompute before that request's dispatch arrives.
+The mechanism's part of a request's life: on a prefill worker, its cached prefix is
+pinned in the prefix cache when it starts (what that evicts goes out as BlockRemoved),
+the first chunk allocates all its blocks (the engine's rule; a host-tier prefix hit is
+copied in first), and the blocks stay until the transfer to the decode worker ends
+(``release_kv``). On a decode worker, the dispatch allocates the blocks (or is refused),
+a decode whose next token starts a block gets one, victims' blocks are released and
+swapped requests' allocated again; EOS or ``max_tokens`` ends a request (the core's
+FINISHED_STOP / FINISHED_LENGTH). Blocks a PreemptOrder freed are held for the request
+it names (the core's ``hold_for``, as a live decode worker does).
 
 A decode-only step the planner would repeat unchanged (every decode runs, nothing else
 waits, no block runs short, nobody finishes) runs as up to ``K_MAX`` steps at once,
@@ -52,20 +42,17 @@ from scheduler.messages import (
     Prefilled,
     ReqEvent,
     RunningReq,
-    WorkerEvent,
     WorkerReport,
 )
 from scheduler.preemption import PreemptMode
+from scheduler.prefill_core import PrefillCore, PrefillOutput
 from scheduler.prefix_index import PrefixIndex
-from scheduler.request import Decision, IllegalTransition, Request, RequestState, transition
+from scheduler.request import Request
 from scheduler.sim.costmodel import CostModel
 from scheduler.step_planner import LocalRequest, StepPlan, WorkerScheduler
 from scheduler.topology import TopologyClass, WorkerInfo
 from scheduler.worker_core import DecodeCore, KVVerdict, Release, StepResult, eviction_order
 
-S = RequestState
-D = Decision
-E = WorkerEvent
 K_MAX = 16
 
 
@@ -83,8 +70,6 @@ class Held:
     cache_ids: tuple[int, ...] = ()
     num_hit_ids: int = 0
     num_load_blocks: int = 0  # host-tier prefix blocks to copy in before its first chunk
-    # Decode worker: a recompute prefill (not the request's first).
-    is_recompute: bool = False
 
 
 @dataclass(slots=True)
@@ -96,14 +81,6 @@ class _Step:
     seconds: list[float]  # each step's compute time (what the StepCosts observe)
     blocks: dict[str, int]  # requests' blocks once the step ran
     refused: list[str]
-
-
-def move(req: Request, to: RequestState, decision: Decision, why: str, now: float) -> None:
-    """Move this worker's copy (its own record of what happened here)."""
-    try:
-        transition(req, to, decision=decision, triggered_by=why, now=now)
-    except IllegalTransition:
-        pass  # the copy was already past it (e.g. a recompute that became a decode)
 
 
 class SimWorker:
@@ -151,11 +128,6 @@ class SimWorker:
         """A report is due: events to tell (a live worker reports after a step that had
         some), or the periodic report of every control interval (``report_due``)."""
         return bool(self.events or self.block_events or self.report_due)
-
-    def _event(self, req_id: str, kind: WorkerEvent, now: float,
-               for_req_id: str | None = None) -> None:
-        self.events.append(ReqEvent(req_id, kind, now, for_req_id))
-        self.dirty[req_id] = None
 
     def report(self) -> WorkerReport:
         """Everything the worker holds when a complete report is due (``complete_due``:
@@ -334,11 +306,15 @@ class SimWorker:
 
 
 class PrefillWorker(SimWorker):
-    """A prefill-pool worker with a prefix cache over the trace's prefix ids."""
+    """A prefill-pool worker with a prefix cache over the trace's prefix ids. Its requests'
+    lives are decided by the :class:`~scheduler.prefill_core.PrefillCore` a live prefill
+    worker runs; this class is the mechanism (the prefix cache, the block account)."""
 
     def __init__(self, info: WorkerInfo, ws: WorkerScheduler, cost: CostModel,
                  cache_capacity: int | None, hash_block_tokens: int, host_tier: bool) -> None:
         super().__init__(info, ws, cost, decodes_here=False)
+        self.core = PrefillCore(info.worker_id, ws)
+        self.events = self.core.events  # the core says what happened
         self.hash_block_tokens = hash_block_tokens
         self.per_id = max(1, hash_block_tokens // self.bs)  # KV blocks per prefix id
         self.index: PrefixIndex | None = (
@@ -376,17 +352,14 @@ class PrefillWorker(SimWorker):
             held.num_load_blocks = -(-cached // self.bs)
         self.held[req.req_id] = held
         self._protect(req, +1)
-        self.ws.add_prefill(req, req.prompt_len - cached, now, num_computed=cached)
+        self.core.start(None, req, held.decode_worker_id or "", now, num_cached_tokens=cached)
         self.dirty[req.req_id] = None
 
     def finish_step(self, now: float) -> list[str]:
         done = super().finish_step(now)
+        self.core.outputs([PrefillOutput(rid, prefill_done=True) for rid in done], now)
         for rid in done:
-            h = self.held[rid]
-            self._event(rid, E.PREFILL_DONE, now)
-            self.ws.remove(rid)
-            self._unpin(h, stored=True)
-            move(h.req, S.TRANSFERRING, D.START_TRANSFER, "prefill_done", now)
+            self._unpin(self.held[rid], stored=True)
         return done
 
     def _unpin(self, h: Held, *, stored: bool) -> None:
@@ -405,6 +378,7 @@ class PrefillWorker(SimWorker):
 
     def release_kv(self, req_id: str) -> None:
         """The transfer ended: the request's KV blocks here are free."""
+        self.core.end(req_id, "sent", 0.0)
         self.account.release(req_id)
         self.held.pop(req_id, None)
 
@@ -412,6 +386,7 @@ class PrefillWorker(SimWorker):
         h = self.held.get(req_id)
         if h is not None and req_id in self.ws.local:
             self._unpin(h, stored=False)
+        self.core.end(req_id, "abort", now)
         super().drop(req_id, now)
 
 
