@@ -243,8 +243,12 @@ class DecodeCore:
     """A decode worker's request table, its step planner and what it reports."""
 
     def __init__(self, worker_id: str, planner: WorkerScheduler, *, bytes_per_block: int = 0,
-                 links: LinkModel | None = None, can_migrate: bool = False) -> None:
+                 links: LinkModel | None = None, can_migrate: bool = False,
+                 history: bool = True) -> None:
+        """``history``: keep each request's last moves (the checker, which merges states
+        that differ only in how they came about, keeps none)."""
         self.worker_id = worker_id
+        self.keeps_history = history
         self.planner = planner
         self.links = links
         self.can_migrate = can_migrate
@@ -268,15 +272,21 @@ class DecodeCore:
         # due, so a still step count is no stall (WorkerReport.is_busy).
         self.plan_was_empty = False
 
+    def records(self) -> tuple[object, ...]:
+        """What the core keeps that no plan reads: the tombstones of ended ids and the
+        ledger of measured moves (the checker leaves them out of a state's identity)."""
+        return (self._tombstones, self.ledger)
+
     # -- the table -----------------------------------------------------------------------
 
     def _move(self, e: Entry, to: Stage, why: str, now: float) -> None:
         """The one place a request changes stage here."""
         if to not in _MOVES[e.stage]:
             raise IllegalMove(f"{e.req_id}: {e.stage} -> {to.value} ({why})")
-        e.history.append(Move(now, e.stage, to, why))
-        if len(e.history) > MAX_HISTORY:
-            del e.history[0]
+        if self.keeps_history:
+            e.history.append(Move(now, e.stage, to, why))
+            if len(e.history) > MAX_HISTORY:
+                del e.history[0]
         e.stage = to
         if to is Stage.ENDED:
             self.entries.pop(e.req_id, None)

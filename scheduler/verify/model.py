@@ -54,6 +54,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler import worker_core as wc
 from scheduler.cluster_scheduler import (
     ClusterScheduler,
     DispatchOrder,
@@ -75,7 +76,8 @@ from scheduler.invariants import (
     check_work_conservation,
 )
 from scheduler.kv import KVBlockAccount
-from scheduler.messages import BlockEvent, ReqEvent, RunningReq, WorkerEvent, WorkerReport
+from scheduler.kv_ledger import KVCounters
+from scheduler.messages import BlockEvent, RunningReq, WorkerEvent, WorkerReport
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext, SchedulingPolicy
 from scheduler.preemption import PreemptMode
@@ -89,6 +91,7 @@ from scheduler.tiers import TierConfig
 from scheduler.topology import WorkerInfo, WorkerRole
 from scheduler.verify.scope import Scope, Shape, scope_tiers
 from scheduler.verify.snapshot import fingerprint, state_copy
+from scheduler.worker_core import DecodeCore, StepResult
 
 PolicyFactory = Callable[[PolicyContext], SchedulingPolicy]
 AccountFactory = Callable[[str, int], KVBlockAccount]
@@ -200,7 +203,7 @@ class World:
     infos: tuple[WorkerInfo, ...]
     account_factory: AccountFactory
     cs: ClusterScheduler
-    ws: list[WorkerScheduler]
+    ws: list[WorkerScheduler]  # each worker core's planner (``cores[w].planner``)
     accounts: list[KVBlockAccount]
     prefix: list[PrefixIndex]
     sink: Sink
@@ -231,6 +234,9 @@ class World:
     _violations: list[Violation] = field(default_factory=list)
     # A prefix index changed in this event (only pinning evicts): check the pins.
     _prefix_changed: bool = False
+    # Each worker's DecodeCore, the one a live decode worker runs: every decision about a
+    # request on a worker is its (stage, events, what a preemption comes to, who ends).
+    cores: list[DecodeCore] = field(default_factory=list)
 
     @property
     def max_model_len(self) -> int:
@@ -264,16 +270,18 @@ class World:
                     max_wait_s=[0.0] * scope.num_tiers)
         for w, info in enumerate(infos):
             cs.add_worker(info, scope.blocks_per_worker, can_prefill=True, can_decode=True)
-            world.ws.append(world._new_worker_scheduler(w))
+            world.cores.append(world._new_worker_core(w))
+            world.ws.append(world.cores[w].planner)
         return world
 
-    def _new_worker_scheduler(self, w: int) -> WorkerScheduler:
+    def _new_worker_core(self, w: int) -> DecodeCore:
         sc = self.scope
-        return WorkerScheduler(self.infos[w], self.policy, StepCosts(cost_prior(sc)),
-                               block_size=sc.block_size, max_num_seqs=MAX_NUM_SEQS,
-                               max_num_batched_tokens=sc.step_budget_tokens,
-                               chunk_tokens=sc.step_budget_tokens,
-                               num_decode_steps=sc.tokens_per_tick, on_pick=self.sink)
+        ws = WorkerScheduler(self.infos[w], self.policy, StepCosts(cost_prior(sc)),
+                             block_size=sc.block_size, max_num_seqs=MAX_NUM_SEQS,
+                             max_num_batched_tokens=sc.step_budget_tokens,
+                             chunk_tokens=sc.step_budget_tokens,
+                             num_decode_steps=sc.tokens_per_tick, on_pick=self.sink)
+        return DecodeCore(self.infos[w].worker_id, ws, history=False)
 
     # -- state -------------------------------------------------------------
 
@@ -287,10 +295,10 @@ class World:
     def clone(self) -> World:
         keep: dict[int, object] = {id(x): x for x in self._cfg()}
         new = copy_shallow(self)
-        (new.cs, new.ws, new.accounts, new.prefix, new.sink, new.reqs, new.aux,
+        (new.cs, new.ws, new.cores, new.accounts, new.prefix, new.sink, new.reqs, new.aux,
          new.announced, new.deferred) = state_copy(  # type: ignore[misc]
-            (self.cs, self.ws, self.accounts, self.prefix, self.sink, self.reqs, self.aux,
-             self.announced, self.deferred), keep)
+            (self.cs, self.ws, self.cores, self.accounts, self.prefix, self.sink, self.reqs,
+             self.aux, self.announced, self.deferred), keep)
         new.index = dict(self.index)
         new.running = list(self.running)  # plans are frozen
         new.stepped = list(self.stepped)
@@ -302,7 +310,8 @@ class World:
 
     def key(self) -> tuple:
         """Everything that decides the future, for state deduplication."""
-        skip = frozenset(id(x) for x in (*self._cfg(), self.sink))
+        skip = frozenset(id(x) for x in (*self._cfg(), self.sink,
+                                         *(r for c in self.cores for r in c.records())))
         # A finished request is never read again (every decision and check here
         # filters by state), so only its state stays in the key.
         reqs = tuple(
@@ -315,7 +324,7 @@ class World:
         )
         return (self.tick, self.num_failures, self.num_stops, self.num_arrived,
                 self.plan_due, self.at_tick_start, self.last_stop, tuple(self.stepped), reqs,
-                fingerprint((self.cs, self.ws, self.accounts, self.prefix, self.running,
+                fingerprint((self.cs, self.cores, self.accounts, self.prefix, self.running,
                              self.deferred), skip))
 
     def live(self) -> bool:
@@ -472,7 +481,7 @@ class World:
             w, changes = self._dispatch(d, now)
             touched.setdefault(w, []).extend(changes)
         for w in sorted(touched):
-            self._report(w, now, [], touched[w])
+            self._report(w, now, touched[w])
         if self.scope.retries:
             for a in plan.aborts:
                 if a.error is not None:
@@ -485,7 +494,7 @@ class World:
         acct, idx = self.accounts[w], self.prefix[w]
         req = self.cs.get(d.req_id)
         assert req is not None
-        self.ws[w].release_hold(req.req_id)
+        self.cores[w].planner.release_hold(req.req_id)
         hits: int | None = None
         if acct.allocate(req.req_id, d.num_blocks):
             hits = idx.acquire(req.block_hashes,
@@ -501,9 +510,10 @@ class World:
             self.aux[self._req_index(req.req_id)].pinned_on = w
             cached = min(hits * self.scope.block_size, req.num_context_tokens - 1)
             req.num_computed_tokens = cached
-            lr = self.ws[w].add_prefill(req, req.num_context_tokens - cached, now,
-                                        num_computed=cached)
-            lr.num_blocks = d.num_blocks  # reserved at dispatch
+            # The worker's own copy of the request, built from what the dispatch carries.
+            copy = Request(req.req_id, req.tier, req.arrival_time, req.prompt_len,
+                           req.max_new_tokens, req.block_hashes, num_computed_tokens=cached)
+            self.cores[w].prefill_here(copy, d.num_blocks, cached, now)
         return w, self._prefix_events(w, req.block_hashes if ok else ())
 
     def _prefix_events(self, w: int, pinned: tuple[int, ...]) -> list[BlockEvent]:
@@ -530,17 +540,17 @@ class World:
         """Worker ``w`` starts its step of this tick: the plan, and what happens before
         the forward (victims out, blocks for growth, swap-ins and recomputes)."""
         self.stepped[w] = True
-        ws, acct = self.ws[w], self.accounts[w]
+        core, acct = self.cores[w], self.accounts[w]
+        ws = core.planner
         now = self.now
         bs = self.scope.block_size
         k = ws.num_decode_steps
         growers = [lr.req.tier for lr in ws.decoding.values()
                    if -(-(lr.num_computed + decode_tokens(lr, k)) // bs) > lr.num_blocks]
-        plan = ws.plan(now, acct.num_free + acct.num_cached)
+        plan = core.plan(now, acct.num_free + acct.num_cached)
         self.running[w] = plan
-        for v in plan.preempt:
-            self._evict(w, v.req_id, v.mode, now, None, min(growers, default=None))
-        events: list[ReqEvent] = []
+        for rid, mode in core.victims(plan):
+            self._evict(w, rid, mode, now, None, min(growers, default=None))
         short: list[str] = []
         for rid in plan.decodes:
             lr = ws.local[rid]
@@ -552,8 +562,7 @@ class World:
             if not acct.allocate(rid, lr.num_blocks):
                 short.append(rid)
                 continue
-            ws.swapped_in(rid, lr.num_blocks)
-            events.append(ReqEvent(rid, E.RESUMED_SWAP, now))
+            core.swapped_in(rid, lr.num_blocks, 0.0, now)
         for rid, _ in plan.chunks:
             lr = ws.local[rid]
             if lr.num_blocks == 0:  # a recompute: all of its blocks when it starts
@@ -564,7 +573,7 @@ class World:
             self._violations.append(Violation(
                 Invariant.KV_BUDGET, f"w{w}: step at t={now:.3f} planned blocks the worker "
                                      f"does not have for {', '.join(short)}"))
-        self._report(w, now, events)
+        self._report(w, now)
 
     def _tick(self) -> None:
         end = self.now + self.scope.dt_s
@@ -582,8 +591,8 @@ class World:
     def _end_step(self, w: int, plan: StepPlan, end: float) -> None:
         """The step's forward ran: commit it, end what finished, apply the preemptions
         that waited for it, and report."""
-        ws, acct = self.ws[w], self.accounts[w]
-        events: list[ReqEvent] = []
+        core, acct = self.cores[w], self.accounts[w]
+        ws = core.planner
         first = {rid for rid, _ in plan.chunks
                  if (lr := ws.local.get(rid)) is not None and lr.req.first_token_time is None}
         blocks = {rid: acct.blocks_of(rid) for rid in (*(c[0] for c in plan.chunks),
@@ -594,61 +603,59 @@ class World:
             self._unpin(self._req_index(rid))
             if rid in first and not self.aux[self._req_index(rid)].streamed:
                 self.ttfts[req.tier].append(end - req.arrival_time)
-            kind = E.RESUMED_RECOMPUTE if req.state is S.PREEMPTED else E.PREFILL_DONE
-            events.append(ReqEvent(rid, kind, end))
-        for rid in (*done, *plan.decodes):
-            lr = ws.local.get(rid)
-            if lr is not None and lr.req.reached_length(self.max_model_len):
-                self._finish(w, rid, E.FINISHED_LENGTH, end, events)
-        self._report(w, end, events)
+        core.outputs([StepResult(rid) for rid in done], set(done), end)
+        ended = [(rid, len(lr.req.block_hashes)) for rid in dict.fromkeys((*done, *plan.decodes))
+                 if (lr := ws.local.get(rid)) is not None
+                 and lr.req.reached_length(self.max_model_len)]
+        self._finish(w, ended, "length", end)
+        self._report(w, end)
         orders, self.deferred[w] = self.deferred[w], []
         for p in orders:
             self._evict(w, p.req_id, p.mode, end, p.for_req_id)
 
     def _evict(self, w: int, rid: str, mode: PreemptMode, now: float, for_req: str | None,
                for_tier: int | None = None) -> None:
-        """Preempt a decode here (a KV-pressure victim or a preemption for an arrival):
-        swap its blocks out or drop them and queue it for recompute here; report it at
-        once, so the scheduler's view of the request is current when it queues again."""
-        ws = self.ws[w]
-        lr = ws.decoding.get(rid)
+        """Preempt a decode here (a KV-pressure victim or a preemption for an arrival),
+        as the worker core decides: swap its blocks out or drop them and queue it for
+        recompute here; report it at once, so the scheduler's view of the request is
+        current when it queues again."""
+        core = self.cores[w]
+        lr = core.planner.decoding.get(rid)
         if lr is None:
             return  # no longer decoding here (finished, or preempted already)
+        # MIGRATE needs a peer, which a step's victims never have: a recompute here.
+        mode = mode if mode is PreemptMode.SWAP else PreemptMode.RECOMPUTE
+        if core.preempt_order(rid, mode, None).ok is not None:
+            return
         req = lr.req
         n = self.accounts[w].release(rid)
+        core.evicted(rid, wc.eviction_order(mode, False)[0], for_req, now, num_blocks=n,
+                     num_freed=n)
         if mode is PreemptMode.SWAP:
-            ws.swap_out(rid)
             lr.num_blocks = n
-            kind = E.PREEMPTED_SWAP
-        else:  # RECOMPUTE; MIGRATE needs a peer, which a step's victims never have
-            ws.remove(rid)
-            kind = E.PREEMPTED_RECOMPUTE
         self.num_preemptions += 1
         if for_req is not None:
-            ws.hold_for(for_req, n, now)
             blocker = self.cs.get(for_req)
             for_tier = blocker.tier if blocker is not None else None
         if for_tier is not None and req.tier < for_tier:
             self.num_inversions += 1
-        self._report(w, now, [ReqEvent(rid, kind, now, for_req_id=for_req)])
-        if kind is E.PREEMPTED_RECOMPUTE and req.state is S.PREEMPTED:
-            req.num_computed_tokens = 0
-            ws.add_prefill(req, req.num_context_tokens, now)
+        self._report(w, now)
 
-    def _finish(self, w: int, rid: str, kind: WorkerEvent, now: float,
-                events: list[ReqEvent]) -> None:
-        lr = self.ws[w].remove(rid)
-        if lr is None:
-            return
-        self.accounts[w].release(rid, keep_cached=len(lr.req.block_hashes))
-        self._unpin(self._req_index(rid))
-        events.append(ReqEvent(rid, kind, now))
+    def _finish(self, w: int, ended: list[tuple[str, int]], finish: str, now: float) -> None:
+        """Requests that reached their end (``finish``: "stop" or "length"), with the
+        prompt blocks each leaves in the prefix cache: the core ends them, their blocks
+        go back."""
+        self.cores[w].outputs([StepResult(rid, finish=finish, request_finished=True)
+                               for rid, _ in ended], set(), now)
+        for rid, num_cached in ended:
+            self.accounts[w].release(rid, keep_cached=num_cached)
+            self._unpin(self._req_index(rid))
 
     def _drop(self, w: int, rid: str) -> None:
         """An abort order: the worker forgets the request and frees its blocks."""
         if w < 0:
             return
-        self.ws[w].remove(rid)
+        self.cores[w].abort(rid, self.now)
         self.accounts[w].release(rid)
         self._unpin(self._req_index(rid))
 
@@ -658,25 +665,29 @@ class World:
             self.prefix[a.pinned_on].release(self.reqs[i].block_hashes)
             a.pinned_on = -1
 
-    def _report(self, w: int, now: float, events: list[ReqEvent],
-                block_events: list[BlockEvent] | tuple[()] = ()) -> None:
-        """What worker ``w`` tells the scheduler after a step or an order: its events,
-        free blocks, running requests and prefix-cache changes."""
-        acct, ws = self.accounts[w], self.ws[w]
+    def _report(self, w: int, now: float, block_events: list[BlockEvent] | tuple[()] = ()
+                ) -> None:
+        """What worker ``w`` tells the scheduler after a step or an order: its core's
+        events, free blocks, running requests and prefix-cache changes."""
+        acct, core = self.accounts[w], self.cores[w]
+        ws = core.planner
+        events, core.events[:] = tuple(core.events), []
+        core.ledger.report(KVCounters())  # its measurements: a live worker's report's
         running = tuple(RunningReq(rid, acct.blocks_of(rid), lr.req.num_output_tokens,
                                    lr.num_prefill_left)
                         for rid, lr in ws.local.items() if not lr.is_swapped)
         rep = WorkerReport(self.infos[w].worker_id, acct.num_free + acct.num_cached,
-                           acct.num_total_blocks, events=tuple(events),
+                           acct.num_total_blocks, events=events,
                            block_events=tuple(block_events), running=running)
         self.cs.on_report(rep, now)
 
     def _stop(self, i: int) -> None:
         r = self.reqs[i]
         w = self._index(r.decode_worker_id)
-        events: list[ReqEvent] = []
-        self._finish(w, r.req_id, E.FINISHED_STOP, self.now, events)
-        self._report(w, self.now, events)
+        lr = self.ws[w].local.get(r.req_id)
+        if lr is not None:
+            self._finish(w, [(r.req_id, len(lr.req.block_hashes))], "stop", self.now)
+        self._report(w, self.now)
         self.plan_due = len(self.cs.queue) > 0
 
     def _fail(self, w: int) -> None:
@@ -691,7 +702,8 @@ class World:
         self.prefix[w] = PrefixIndex(blocks)
         self._prefix_changed = True
         self.announced[w] = set()
-        self.ws[w] = self._new_worker_scheduler(w)
+        self.cores[w] = self._new_worker_core(w)
+        self.ws[w] = self.cores[w].planner
         self.running[w] = None
         self.deferred[w] = []
         self.cs.add_worker(info, blocks, can_prefill=True, can_decode=True)
