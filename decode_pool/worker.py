@@ -364,7 +364,8 @@ class DecodeWorker:
             service.run_step, self.engine, decodes, list(plan.chunks), core.protect(),
             shared=True)
         core.block_events.extend(events)
-        core.step_ran(plan, now, began=began, seconds=time.perf_counter() - t0,
+        core.step_ran(plan, now, began=began, ended=time.time(),
+                      seconds=time.perf_counter() - t0,
                       results=[service.step_result(o) for o in outs], refused=refused,
                       blocks=blocks, computed=computed, shared=shared)
 

@@ -683,11 +683,13 @@ class DecodeCore:
         self._protected = hashes
         return hashes
 
-    def step_ran(self, plan: StepPlan, now: float, *, began: float, seconds: float | None,
-                 results: list[StepResult], refused: list[str], blocks: dict[str, int],
-                 computed: dict[str, int], shared: dict[str, int] | None = None) -> None:
-        """The engine ran ``plan`` (it began at ``began``, took ``seconds``): advance every
-        request it touched."""
+    def step_ran(self, plan: StepPlan, now: float, *, began: float, ended: float,
+                 seconds: float | None, results: list[StepResult], refused: list[str],
+                 blocks: dict[str, int], computed: dict[str, int],
+                 shared: dict[str, int] | None = None) -> None:
+        """The engine ran ``plan`` (planned at ``now``; it began at ``began`` and its
+        outputs were out at ``ended``, ``seconds`` of compute): advance every request it
+        touched; what happened to each is reported at ``ended``."""
         for rid, n in plan.chunks:
             e = self.get(rid)
             if (e is not None and e.is_recompute and e.restore_t0 is None
@@ -703,7 +705,7 @@ class DecodeCore:
         self.num_steps += 1
         if shared:
             self._shared.update(shared)
-        self.outputs(results, done, now)
+        self.outputs(results, done, ended)
 
     def outputs(self, results: Iterable[StepResult], done: set[str], now: float) -> list[str]:
         """A step's outcomes (``done``: prompts it finished); returns the requests that

@@ -145,15 +145,15 @@ def test_a_local_prefill_decodes_after_its_last_chunk() -> None:
     core.prefill_here(request("a", prompt=20), 2, 0, 1.0, spec=spec("a", prompt=20))
     plan = core.plan(1.0, 200)
     assert plan.chunks == (("a", 20),)
-    core.step_ran(plan, 1.05, began=1.0, seconds=0.05, refused=[], blocks={"a": 2},
+    core.step_ran(plan, 1.0, began=1.0, ended=1.05, seconds=0.05, refused=[], blocks={"a": 2},
                   computed={"a": 20}, results=[StepResult("a", TokenDelta("a", (9,)))])
     assert core.entries["a"].stage is Stage.DECODING
-    assert core.entries["a"].req.first_token_time == 1.05
-    assert kinds(core, "a") == [E.PREFILL_DONE]
+    assert core.entries["a"].req.first_token_time == 1.0  # the step's, as the planner commits
+    assert kinds(core, "a") == [E.PREFILL_DONE] and core.events[-1].time == 1.05  # out then
     assert core.take_outbox() == [("router-0", (TokenDelta("a", (9,)),))]
     plan = core.plan(1.1, 200)
     assert plan.decodes == ("a",)
-    core.step_ran(plan, 1.12, began=1.1, seconds=0.02, refused=[], blocks={}, computed={},
+    core.step_ran(plan, 1.1, began=1.1, ended=1.12, seconds=0.02, refused=[], blocks={}, computed={},
                   results=[StepResult("a", TokenDelta("a", (3,), "stop"), "stop", True)])
     assert "a" not in core.entries and "a" not in core.planner.local
     assert kinds(core, "a") == [E.PREFILL_DONE, E.FINISHED_STOP]
@@ -166,7 +166,7 @@ def test_a_step_that_failed_on_one_request_ends_it_alone() -> None:
     core.take_outbox()
     plan = core.plan(2.0, 200)
     assert set(plan.decodes) == {"a", "b"}
-    core.step_ran(plan, 2.1, began=2.0, seconds=0.1, refused=[], blocks={}, computed={},
+    core.step_ran(plan, 2.0, began=2.0, ended=2.1, seconds=0.1, refused=[], blocks={}, computed={},
                   results=[StepResult("a", error="nan"), StepResult("b", TokenDelta("b", (1,)))])
     assert core.get("a") is None and core.get("b") is not None
     assert kinds(core, "a")[-1] is E.ABORTED
@@ -206,7 +206,7 @@ def test_a_recompute_prefills_prompt_and_output_again_then_resumes() -> None:
     plan = core.plan(3.1, 200)
     (rid, n), = plan.chunks
     assert rid == "a" and n == 41  # prompt (40) + its one output token
-    core.step_ran(plan, 3.3, began=3.1, seconds=0.2, refused=[], blocks={"a": 3},
+    core.step_ran(plan, 3.1, began=3.1, ended=3.3, seconds=0.2, refused=[], blocks={"a": 3},
                   computed={"a": 41}, results=[StepResult("a", TokenDelta("a", (5,)))])
     assert core.entries["a"].stage is Stage.DECODING
     assert kinds(core, "a")[-2:] == [E.PREEMPTED_RECOMPUTE, E.RESUMED_RECOMPUTE]
