@@ -32,7 +32,8 @@ class PrefillBook:
     a block size, the KV blocks those prompts need: ``ceil((n + 1) / block_size)`` each)."""
 
     __slots__ = ("_left", "_tier", "_steps", "_tokens", "_sq", "_chunk", "_total", "_bs",
-                 "_blocks", "_tier_coefs", "_tier_s", "_total_costs", "_total_coefs", "_total_s")
+                 "_blocks", "_tier_coefs", "_tier_s", "_tier_changed", "_total_costs", "_total_coefs",
+                 "_total_s")
 
     def __init__(self, num_tiers: int, chunk_tokens: int, block_size: int = 0) -> None:
         self._left: dict[str, int] = {}
@@ -45,15 +46,17 @@ class PrefillBook:
         self._bs = block_size
         self._total = 0
         # by_tier_s and backlog_s as last computed, with the coefficients (and the cost
-        # model) they were computed for; None: the book changed since.
+        # model) they were computed for (None: recompute), and the tiers whose sums
+        # changed since (a bit each).
         self._tier_coefs: tuple[float, ...] | None = None
         self._tier_s: tuple[float, ...] = ()
+        self._tier_changed = 0
         self._total_costs: StepCosts | None = None
         self._total_coefs: tuple[float, ...] | None = None
         self._total_s = 0.0
 
     def _add(self, tier: int, left: int, sign: int) -> None:
-        self._tier_coefs = None
+        self._tier_changed |= 1 << tier
         self._total_costs = None
         self._steps[tier] += sign * max(1, -(-left // self._chunk))
         self._tokens[tier] += sign * left
@@ -122,11 +125,18 @@ class PrefillBook:
     def by_tier_s(self, costs: Coefficients) -> tuple[float, ...]:
         """Per tier: the sum of its requests' isolated prefills."""
         coefs = costs.coefficients
+        changed = self._tier_changed
         if self._tier_coefs is not coefs:
+            changed = (1 << len(self._steps)) - 1
+        if changed:
             c0, c1, c2 = coefs[:3]
-            self._tier_s = tuple([c0 * s + c1 * n + c2 * q / 2 for s, n, q
-                                  in zip(self._steps, self._tokens, self._sq, strict=True)])
+            out = list(self._tier_s) or [0.0] * len(self._steps)
+            for t in range(len(out)):
+                if changed >> t & 1:
+                    out[t] = c0 * self._steps[t] + c1 * self._tokens[t] + c2 * self._sq[t] / 2
+            self._tier_s = tuple(out)
             self._tier_coefs = coefs
+            self._tier_changed = 0
         return self._tier_s
 
 
