@@ -425,6 +425,12 @@ class ClusterScheduler:
         # request that finds no room asks, and under overload hundreds do. Dropped with
         # any dispatch or preemption the plan orders (a peer's room changes the prices).
         self._vviews: dict[str, tuple[float | None, tuple[VictimView, ...]]] = {}
+        # Per anchor worker, the workers in its NVLink domain (victims are looked for
+        # there first); rebuilt when a worker joins.
+        self._same_domain: dict[str, frozenset[str]] = {}
+        # The live prefill-only and decode workers (None: rebuild; a worker joined or died).
+        self._prefill_list: list[WorkerSlot] | None = None
+        self._decode_list: list[WorkerSlot] | None = None
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -443,6 +449,8 @@ class ClusterScheduler:
         self.workers[info.worker_id] = slot
         self.est.invalidate()
         self._books.clear()  # their count of decode workers
+        self._same_domain.clear()
+        self._prefill_list = self._decode_list = None
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -458,6 +466,7 @@ class ClusterScheduler:
         w.is_alive = False
         self.est.invalidate()
         self._books.clear()
+        self._prefill_list = self._decode_list = None
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
@@ -534,11 +543,18 @@ class ClusterScheduler:
         return dropped
 
     def _prefill_slots(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.is_alive and w.can_prefill
-                and not w.can_decode]
+        """The live prefill-only workers (kept until a worker joins or dies; callers do
+        not change the list)."""
+        if self._prefill_list is None:
+            self._prefill_list = [w for w in self.workers.values() if w.is_alive
+                                  and w.can_prefill and not w.can_decode]
+        return self._prefill_list
 
     def _decode_slots(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.is_alive and w.can_decode]
+        """The live decode workers (kept as ``_prefill_slots``)."""
+        if self._decode_list is None:
+            self._decode_list = [w for w in self.workers.values() if w.is_alive and w.can_decode]
+        return self._decode_list
 
     # -- requests --------------------------------------------------------------------
 
@@ -847,6 +863,25 @@ class ClusterScheduler:
               claims: Claims) -> list[tuple[int, WorkerSlot]]:
         return [(self._usable(w, req.tier, need, claims), w) for w in decode]
 
+    def _decode_room(self, tier: int, need: int, decode: list[WorkerSlot], claims: Claims
+                     ) -> tuple[list[tuple[int, WorkerSlot]], list[DecodeView]]:
+        """Each decode worker's usable blocks for a request of ``tier`` needing ``need``
+        (:meth:`_usable`, as ``_room`` gives them) and its view with those as its free
+        blocks (:meth:`_dview`): one pass over the workers, for every request offered."""
+        room: list[tuple[int, WorkerSlot]] = []
+        views: list[DecodeView] = []
+        books = self._books
+        for w in decode:
+            b = books.get(w.worker_id) or self._book(w)
+            view = b.view
+            free = w.num_free_blocks - w.num_promised
+            if free != view.num_free_blocks:
+                view = b.view = replace(view, num_free_blocks=free)
+            usable = free - b.resuming[tier] - claims.held(w.worker_id, tier, need)
+            room.append((usable, w))
+            views.append(view if usable == free else replace(view, num_free_blocks=usable))
+        return room, views
+
     def _route(self, req: Request, now: float, blocked: Claims) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
         decode = self._decode_slots()
@@ -890,11 +925,10 @@ class ClusterScheduler:
             pv = self.policy.place_prefill(req, views)
             if pv is None:
                 return None
-            choice = self.policy.place_decode(
-                req, need, [self._dview(w, self._usable(w, req.tier, need, blocked))
-                            for w in decode], pv.info)
+            room, dviews = self._decode_room(req.tier, need, decode, blocked)
+            choice = self.policy.place_decode(req, need, dviews, pv.info)
             if choice is None:
-                self._claim(req.tier, need, self._room(req, need, decode, blocked), blocked)
+                self._claim(req.tier, need, room, blocked)
                 self._maybe_preempt(req, need, decode, pv.info, now)
                 return None
             dslot = self.workers[choice.view.info.worker_id]
@@ -978,14 +1012,22 @@ class ClusterScheduler:
 
     def _maybe_preempt(self, req: Request, need: int, decode: list[WorkerSlot],
                        anchor: WorkerInfo, now: float) -> None:
-        ordered = sorted(decode, key=lambda w: topology_class(anchor, w.info)
-                         is not TopologyClass.SAME_DOMAIN)
+        same = self._same_domain.get(anchor.worker_id)
+        if same is None:
+            same = self._same_domain[anchor.worker_id] = frozenset(
+                wid for wid, x in self.workers.items()
+                if topology_class(anchor, x.info) is TopologyClass.SAME_DOMAIN)
+        # The anchor's NVLink domain first, each part in the given order.
+        ordered = ([w for w in decode if w.worker_id in same]
+                   + [w for w in decode if w.worker_id not in same])
         for w in ordered:
-            for rid in [r for r, t in w.preempting_since.items() if now - t > PREEMPT_ANSWER_S]:
-                w.preempting.pop(rid, None)
-                del w.preempting_since[rid]
-                self._vviews.clear()
-            soon_free = w.free_blocks + sum(w.preempting.values())
+            if w.preempting_since:
+                for rid in [r for r, t in w.preempting_since.items()
+                            if now - t > PREEMPT_ANSWER_S]:
+                    w.preempting.pop(rid, None)
+                    del w.preempting_since[rid]
+                    self._vviews.clear()
+            soon_free = w.free_blocks + (sum(w.preempting.values()) if w.preempting else 0)
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
             got = self._vviews.get(w.worker_id)
