@@ -41,6 +41,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
@@ -431,6 +432,7 @@ class ClusterScheduler:
         # The live prefill-only and decode workers (None: rebuild; a worker joined or died).
         self._prefill_list: list[WorkerSlot] | None = None
         self._decode_list: list[WorkerSlot] | None = None
+        self._alive_list: list[str] | None = None
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -450,7 +452,7 @@ class ClusterScheduler:
         self.est.invalidate()
         self._books.clear()  # their count of decode workers
         self._same_domain.clear()
-        self._prefill_list = self._decode_list = None
+        self._prefill_list = self._decode_list = self._alive_list = None
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -466,7 +468,7 @@ class ClusterScheduler:
         w.is_alive = False
         self.est.invalidate()
         self._books.clear()
-        self._prefill_list = self._decode_list = None
+        self._prefill_list = self._decode_list = self._alive_list = None
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
@@ -555,6 +557,12 @@ class ClusterScheduler:
         if self._decode_list is None:
             self._decode_list = [w for w in self.workers.values() if w.is_alive and w.can_decode]
         return self._decode_list
+
+    def _alive_ids(self) -> list[str]:
+        """The live workers' ids (kept as ``_prefill_slots``)."""
+        if self._alive_list is None:
+            self._alive_list = [w.worker_id for w in self.workers.values() if w.is_alive]
+        return self._alive_list
 
     # -- requests --------------------------------------------------------------------
 
@@ -856,7 +864,7 @@ class ClusterScheduler:
         """A request of ``tier`` needing ``need`` found no room: it claims what is free
         for it on the worker with the most (``room``: each decode worker's usable blocks
         for it)."""
-        free, w = max(room, key=lambda fw: fw[0])
+        free, w = max(room, key=itemgetter(0))
         claims.add(w.worker_id, tier, need, max(min(need, free), 0))
 
     def _room(self, req: Request, need: int, decode: list[WorkerSlot],
@@ -897,9 +905,7 @@ class ClusterScheduler:
                 # Every worker that could prefill it holds its horizon of work already: it
                 # waits here, and orders no preemption for decode memory it cannot use yet.
                 return None
-        matches = (self.mirror.match_lens(req.block_hashes,
-                                          [w.worker_id for w in self.workers.values()
-                                           if w.is_alive])
+        matches = (self.mirror.match_lens(req.block_hashes, self._alive_ids())
                    if req.block_hashes else {})
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
@@ -1030,6 +1036,8 @@ class ClusterScheduler:
             soon_free = w.free_blocks + (sum(w.preempting.values()) if w.preempting else 0)
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
+            if not w.held:
+                continue  # nothing runs here: no victims
             got = self._vviews.get(w.worker_id)
             if got is None:
                 release = self._book(w).view.release_blocks_per_s
@@ -1494,23 +1502,25 @@ class ClusterScheduler:
         prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
                       else [w for w in self.workers.values() if w.is_alive])
         for w in prefillers:
-            for t, s in enumerate(w.backlog_by_tier()):
-                backlog[t] += s
+            backlog = [a + b for a, b in zip(backlog, w.backlog_by_tier(), strict=True)]
         held = [0] * n
         pairs = []
+        num_free = 0
         decode = self._decode_slots()
         for w in decode:
+            free = w.free_blocks
+            if free > 0:
+                num_free += free
             for rid, blocks in w.held.items():
                 e = self.live.get(rid)
                 if e is not None:
                     held[e.req.tier] += blocks
                     pairs.append((blocks, self.outputs.expected(e.req)))
-        has_room = any(w.free_blocks > 0 for w in decode)
         idle = any(not w.prefill_left for w in prefillers)
         return LoadSnapshot(backlog, max(len(prefillers), 1),
-                            has_room and idle and not len(self.queue), queued, held,
-                            sum(max(w.free_blocks, 0) for w in decode),
-                            kv_release_rate(pairs, est.decode_token_s()), self.block_size)
+                            num_free > 0 and idle and not len(self.queue), queued, held,
+                            num_free, kv_release_rate(pairs, est.decode_token_s()),
+                            self.block_size)
 
 
 def event_kind_for_preempt(mode: PreemptMode) -> WorkerEvent:
