@@ -131,9 +131,12 @@ class PrefillBook:
         if changed:
             c0, c1, c2 = coefs[:3]
             out = list(self._tier_s) or [0.0] * len(self._steps)
-            for t in range(len(out)):
-                if changed >> t & 1:
+            t = 0
+            while changed:
+                if changed & 1:
                     out[t] = c0 * self._steps[t] + c1 * self._tokens[t] + c2 * self._sq[t] / 2
+                changed >>= 1
+                t += 1
             self._tier_s = tuple(out)
             self._tier_coefs = coefs
             self._tier_changed = 0
