@@ -432,7 +432,7 @@ class ClusterScheduler:
         # The live prefill-only and decode workers (None: rebuild; a worker joined or died).
         self._prefill_list: list[WorkerSlot] | None = None
         self._decode_list: list[WorkerSlot] | None = None
-        self._alive_list: list[str] | None = None
+        self._site_ids: list[str] | None = None
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -452,7 +452,7 @@ class ClusterScheduler:
         self.est.invalidate()
         self._books.clear()  # their count of decode workers
         self._same_domain.clear()
-        self._prefill_list = self._decode_list = self._alive_list = None
+        self._prefill_list = self._decode_list = self._site_ids = None
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -468,7 +468,7 @@ class ClusterScheduler:
         w.is_alive = False
         self.est.invalidate()
         self._books.clear()
-        self._prefill_list = self._decode_list = self._alive_list = None
+        self._prefill_list = self._decode_list = self._site_ids = None
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
@@ -558,11 +558,16 @@ class ClusterScheduler:
             self._decode_list = [w for w in self.workers.values() if w.is_alive and w.can_decode]
         return self._decode_list
 
-    def _alive_ids(self) -> list[str]:
-        """The live workers' ids (kept as ``_prefill_slots``)."""
-        if self._alive_list is None:
-            self._alive_list = [w.worker_id for w in self.workers.values() if w.is_alive]
-        return self._alive_list
+    def _prefill_site_ids(self) -> list[str]:
+        """The workers whose prefix hits placement reads: the prefill workers when
+        disaggregated (a decode worker never prefills then), else every live worker
+        (kept as ``_prefill_slots``)."""
+        if self._site_ids is None:
+            self._site_ids = (
+                [w.worker_id for w in self._prefill_slots()]
+                if self.mode is PoolMode.DISAGGREGATED
+                else [w.worker_id for w in self.workers.values() if w.is_alive])
+        return self._site_ids
 
     # -- requests --------------------------------------------------------------------
 
@@ -905,7 +910,7 @@ class ClusterScheduler:
                 # Every worker that could prefill it holds its horizon of work already: it
                 # waits here, and orders no preemption for decode memory it cannot use yet.
                 return None
-        matches = (self.mirror.match_lens(req.block_hashes, self._alive_ids())
+        matches = (self.mirror.match_lens(req.block_hashes, self._prefill_site_ids())
                    if req.block_hashes else {})
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and

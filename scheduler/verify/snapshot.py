@@ -52,9 +52,8 @@ STAT_ATTRS = frozenset({"num_lookup_blocks", "num_hit_blocks", "total_demand", "
 # scheduler's decode books and worker lists, a prefill book's seconds): two states that
 # differ only there decide alike (left out of the state key, copied as they are).
 DERIVED_ATTRS = frozenset({"_books", "_same_domain", "_prefill_list", "_decode_list",
-                           "_alive_list",
-                           "_tier_coefs", "_tier_s", "_tier_changed", "_total_costs",
-                           "_total_coefs", "_total_s"})
+                           "_site_ids", "_tier_coefs", "_tier_s", "_tier_changed",
+                           "_total_costs", "_total_coefs", "_total_s"})
 _UNKEYED = STAT_ATTRS | DERIVED_ATTRS
 # Immutable here: shared by copies, left out of keys.
 CONFIG_TYPES: tuple[type, ...] = (LinearEstimate, StepCosts)
