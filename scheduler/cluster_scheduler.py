@@ -222,6 +222,11 @@ class WorkerSlot:
     # None: not seen yet), and when its last report with decodes came.
     decode_tokens_per_s: float | None = None
     last_pace_time: float | None = None
+    # ``info.worker_id``, read on every placement for every worker (a field, not a property).
+    worker_id: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.info.worker_id
 
     def observe_pace(self, pace: _Pace, now: float) -> None:
         """A report's decodes gained ``pace.tokens`` over ``pace.num`` requests since the
@@ -240,10 +245,6 @@ class WorkerSlot:
         if m is None or m.num_swap_blocks is None:
             return None
         return max(m.num_swap_blocks - m.num_swap_used, 0)
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
 
     @property
     def free_blocks(self) -> int:
@@ -1038,7 +1039,9 @@ class ClusterScheduler:
                     w.preempting.pop(rid, None)
                     del w.preempting_since[rid]
                     self._vviews.clear()
-            soon_free = w.free_blocks + (sum(w.preempting.values()) if w.preempting else 0)
+            soon_free = w.num_free_blocks - w.num_promised  # w.free_blocks
+            if w.preempting:
+                soon_free += sum(w.preempting.values())
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
             if not w.held:
@@ -1513,7 +1516,7 @@ class ClusterScheduler:
         num_free = 0
         decode = self._decode_slots()
         for w in decode:
-            free = w.free_blocks
+            free = w.num_free_blocks - w.num_promised
             if free > 0:
                 num_free += free
             for rid, blocks in w.held.items():
