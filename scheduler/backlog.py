@@ -7,6 +7,8 @@ over every queued request. A request's isolated prefill of ``n`` tokens is predi
 :meth:`scheduler.step_costs.StepCosts.prefill_s` as ``steps(n) c0 + n c1 + n^2/2 c2``,
 linear in the coefficients, so the sums of ``steps(n)``, ``n`` and ``n^2/2`` per tier give
 the sum of the requests' predictions for whatever coefficients the worker reports next.
+The seconds are kept until the book or the coefficients change: admission and placement
+read a worker's backlog in the same decision, and a plan reads it per request offered.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class PrefillBook:
     a block size, the KV blocks those prompts need: ``ceil((n + 1) / block_size)`` each)."""
 
     __slots__ = ("_left", "_tier", "_steps", "_tokens", "_sq", "_chunk", "_total", "_bs",
-                 "_blocks")
+                 "_blocks", "_tier_coefs", "_tier_s", "_tier_changed", "_total_costs", "_total_coefs",
+                 "_total_s")
 
     def __init__(self, num_tiers: int, chunk_tokens: int, block_size: int = 0) -> None:
         self._left: dict[str, int] = {}
@@ -42,8 +45,19 @@ class PrefillBook:
         self._chunk = max(1, chunk_tokens)
         self._bs = block_size
         self._total = 0
+        # by_tier_s and backlog_s as last computed, with the coefficients (and the cost
+        # model) they were computed for (None: recompute), and the tiers whose sums
+        # changed since (a bit each).
+        self._tier_coefs: tuple[float, ...] | None = None
+        self._tier_s: tuple[float, ...] = ()
+        self._tier_changed = 0
+        self._total_costs: StepCosts | None = None
+        self._total_coefs: tuple[float, ...] | None = None
+        self._total_s = 0.0
 
     def _add(self, tier: int, left: int, sign: int) -> None:
+        self._tier_changed |= 1 << tier
+        self._total_costs = None
         self._steps[tier] += sign * max(1, -(-left // self._chunk))
         self._tokens[tier] += sign * left
         self._sq[tier] += sign * left * left
@@ -100,13 +114,33 @@ class PrefillBook:
 
     def backlog_s(self, costs: StepCosts) -> float:
         """All of it as one prefill (what the worker has to get through)."""
-        return costs.prefill_s(self._total, 0) if self._total else 0.0
+        if not self._total:
+            return 0.0
+        coefs = costs.coefficients
+        if self._total_costs is not costs or self._total_coefs is not coefs:
+            self._total_s = costs.prefill_s(self._total, 0)
+            self._total_costs, self._total_coefs = costs, coefs
+        return self._total_s
 
     def by_tier_s(self, costs: Coefficients) -> tuple[float, ...]:
         """Per tier: the sum of its requests' isolated prefills."""
-        c0, c1, c2 = costs.coefficients[:3]
-        return tuple(c0 * s + c1 * n + c2 * q / 2
-                     for s, n, q in zip(self._steps, self._tokens, self._sq, strict=True))
+        coefs = costs.coefficients
+        changed = self._tier_changed
+        if self._tier_coefs is not coefs:
+            changed = (1 << len(self._steps)) - 1
+        if changed:
+            c0, c1, c2 = coefs[:3]
+            out = list(self._tier_s) or [0.0] * len(self._steps)
+            t = 0
+            while changed:
+                if changed & 1:
+                    out[t] = c0 * self._steps[t] + c1 * self._tokens[t] + c2 * self._sq[t] / 2
+                changed >>= 1
+                t += 1
+            self._tier_s = tuple(out)
+            self._tier_coefs = coefs
+            self._tier_changed = 0
+        return self._tier_s
 
 
 __all__ = ["PrefillBook"]

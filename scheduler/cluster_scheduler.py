@@ -41,6 +41,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Protocol
 
 from scheduler.admission import AdmissionKind, LoadSnapshot, kv_release_rate
@@ -221,6 +222,11 @@ class WorkerSlot:
     # None: not seen yet), and when its last report with decodes came.
     decode_tokens_per_s: float | None = None
     last_pace_time: float | None = None
+    # ``info.worker_id``, read on every placement for every worker (a field, not a property).
+    worker_id: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.info.worker_id
 
     def observe_pace(self, pace: _Pace, now: float) -> None:
         """A report's decodes gained ``pace.tokens`` over ``pace.num`` requests since the
@@ -239,10 +245,6 @@ class WorkerSlot:
         if m is None or m.num_swap_blocks is None:
             return None
         return max(m.num_swap_blocks - m.num_swap_used, 0)
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
 
     @property
     def free_blocks(self) -> int:
@@ -276,6 +278,23 @@ class _Entry:
     # Its migration's target died: the source was told to recompute it; a refusal (the
     # source no longer has it) ends it with worker_failed.
     is_recovering: bool = False
+
+
+@dataclass(slots=True)
+class _DecodeBooks:
+    """What placement reads of one decode worker's held requests: its DecodeView (release
+    rate, growth, running count; its free blocks as last read) and, per tier, the blocks
+    its preempted requests need to come back (``ClusterScheduler._resuming_of``).
+
+    A function of the worker's held requests (their states, output counts and migrations),
+    its measured pace, the cluster's output-length and step-cost estimates and the live
+    decode workers. Recomputing it for every decode worker on every plan was most of a
+    placement's time, while between two plans most workers change nothing: it is kept
+    until one of those inputs changes (``ClusterScheduler._stale``), then rebuilt from
+    scratch (so it is exactly what a recomputation gives; ``stale_views`` checks that)."""
+
+    view: DecodeView
+    resuming: tuple[int, ...]
 
 
 class OutputLengths:
@@ -401,12 +420,20 @@ class ClusterScheduler:
         # reads them on every arrival).
         self._queued = PrefillBook(tiers.num_tiers, chunk_tokens, block_size)
         self.num_preemptions = 0
-        self._dviews: dict[str, DecodeView] = {}
+        # Per decode worker, what placement reads of its held requests (_DecodeBooks): kept
+        # across plans, dropped by whatever changes them (``_stale``).
+        self._books: dict[str, _DecodeBooks] = {}
         # Per decode worker, its release rate and victims as one plan sees them: every
         # request that finds no room asks, and under overload hundreds do. Dropped with
         # any dispatch or preemption the plan orders (a peer's room changes the prices).
         self._vviews: dict[str, tuple[float | None, tuple[VictimView, ...]]] = {}
-        self._resumes: dict[str, tuple[int, ...]] = {}  # per plan: _resuming
+        # Per anchor worker, the workers in its NVLink domain (victims are looked for
+        # there first); rebuilt when a worker joins.
+        self._same_domain: dict[str, frozenset[str]] = {}
+        # The live prefill-only and decode workers (None: rebuild; a worker joined or died).
+        self._prefill_list: list[WorkerSlot] | None = None
+        self._decode_list: list[WorkerSlot] | None = None
+        self._site_ids: list[str] | None = None
         # Work conservation at run time (``work_conservation_s``): per tier, the seconds
         # counted so far, and when the open episode began (None: none open).
         self.unplaced_fit_s = [0.0] * tiers.num_tiers
@@ -424,6 +451,9 @@ class ClusterScheduler:
                           prefill_left=PrefillBook(self.tiers.num_tiers, self.chunk_tokens))
         self.workers[info.worker_id] = slot
         self.est.invalidate()
+        self._books.clear()  # their count of decode workers
+        self._same_domain.clear()
+        self._prefill_list = self._decode_list = self._site_ids = None
         return slot
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -438,6 +468,8 @@ class ClusterScheduler:
             return []
         w.is_alive = False
         self.est.invalidate()
+        self._books.clear()
+        self._prefill_list = self._decode_list = self._site_ids = None
         self.mirror.drop_worker(worker_id)
         lost = [rid for rid, e in self.live.items() if e.req.decode_worker_id == worker_id]
         for rid in lost:
@@ -495,6 +527,7 @@ class ClusterScheduler:
         if held.stage is HeldStage.PREFILLING and held.num_prefill_left > 0:
             w.prefill_left.put(spec.req_id, held.num_prefill_left, spec.tier)
         self.est.invalidate()  # the worker's backlog changed
+        self._books.clear()
         return True
 
     def drop_unclaimed(self, router_id: str, claimed: Iterable[str], now: float) -> list[str]:
@@ -513,11 +546,29 @@ class ClusterScheduler:
         return dropped
 
     def _prefill_slots(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.is_alive and w.can_prefill
-                and not w.can_decode]
+        """The live prefill-only workers (kept until a worker joins or dies; callers do
+        not change the list)."""
+        if self._prefill_list is None:
+            self._prefill_list = [w for w in self.workers.values() if w.is_alive
+                                  and w.can_prefill and not w.can_decode]
+        return self._prefill_list
 
     def _decode_slots(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.is_alive and w.can_decode]
+        """The live decode workers (kept as ``_prefill_slots``)."""
+        if self._decode_list is None:
+            self._decode_list = [w for w in self.workers.values() if w.is_alive and w.can_decode]
+        return self._decode_list
+
+    def _prefill_site_ids(self) -> list[str]:
+        """The workers whose prefix hits placement reads: the prefill workers when
+        disaggregated (a decode worker never prefills then), else every live worker
+        (kept as ``_prefill_slots``)."""
+        if self._site_ids is None:
+            self._site_ids = (
+                [w.worker_id for w in self._prefill_slots()]
+                if self.mode is PoolMode.DISAGGREGATED
+                else [w.worker_id for w in self.workers.values() if w.is_alive])
+        return self._site_ids
 
     # -- requests --------------------------------------------------------------------
 
@@ -748,27 +799,58 @@ class ClusterScheduler:
                                          strict=True))
 
     def _fresh_views(self) -> None:
-        """Drop the views kept for one plan (backlogs, decode views, victims, resume
-        claims): every reader that starts from the current books calls this first."""
-        self._backlogs, self._dviews, self._vviews, self._resumes = {}, {}, {}, {}
+        """Drop the views kept for one plan (backlogs, victims): every reader that starts
+        from the current books calls this first. The decode workers' books are kept
+        across plans (``_stale`` drops them as they change)."""
+        self._backlogs, self._vviews = {}, {}
+
+    def _stale(self, w: WorkerSlot) -> None:
+        """``w``'s held requests, or what its books are computed from, changed."""
+        self._books.pop(w.worker_id, None)
+
+    def _stale_holders(self, rid: str) -> None:
+        """Request ``rid`` changed (its state, output count or migration): every decode
+        worker that holds it (its decode worker, a migration's target, a source whose
+        report has not dropped it yet) recomputes its books."""
+        for w in self.workers.values():
+            if rid in w.held:
+                self._books.pop(w.worker_id, None)
+
+    def stale_views(self) -> list[str]:
+        """The decode workers whose kept books differ from a recomputation now (empty:
+        every kept view is current). For tests and idle integrity checks."""
+        return [wid for wid, b in self._books.items()
+                if (w := self.workers.get(wid)) is None
+                or replace(b.view, num_free_blocks=0)
+                != replace(self._new_books(w).view, num_free_blocks=0)
+                or b.resuming != self._new_books(w).resuming]
+
+    def _book(self, w: WorkerSlot) -> _DecodeBooks:
+        got = self._books.get(w.worker_id)
+        if got is None:
+            got = self._books[w.worker_id] = self._new_books(w)
+        return got
+
+    def _new_books(self, w: WorkerSlot) -> _DecodeBooks:
+        return _DecodeBooks(
+            DecodeView(w.info, w.free_blocks, len(w.held), self._release_rate(w),
+                       self._growth(w), max(len(self._decode_slots()), 1)),
+            self._resuming_of(w))
 
     def _usable(self, w: WorkerSlot, tier: int, need: int, claims: Claims) -> int:
         """``w``'s free blocks for a request of ``tier`` needing ``need``: less what the
         requests that go before it claim there: the decodes preempted there of its tier
-        or a more urgent one, to come back (:meth:`_resuming`), and the waiting requests
+        or a more urgent one, to come back (:meth:`_resuming_of`), and the waiting requests
         of a more urgent tier whatever their size, of its tier no larger."""
-        return w.free_blocks - self._resuming(w)[tier] - claims.held(w.worker_id, tier, need)
+        return w.free_blocks - self._book(w).resuming[tier] - claims.held(w.worker_id, tier, need)
 
-    def _resuming(self, w: WorkerSlot) -> tuple[int, ...]:
+    def _resuming_of(self, w: WorkerSlot) -> tuple[int, ...]:
         """Per tier t, the blocks that the requests of tiers up to t preempted on ``w``
         (swapped out, or to recompute there) need to come back: a new dispatch reserves
         its blocks at once, so without this claim the memory their preemption and the
         worker's releases free goes to new requests first and a preempted decode waits
         for seconds behind arrivals of its own tier or a later one (vLLM puts preempted
-        requests first in its waiting queue). Kept for the plan."""
-        got = self._resumes.get(w.worker_id)
-        if got is not None:
-            return got
+        requests first in its waiting queue). Kept in ``w``'s books."""
         by_tier = [0] * self.tiers.num_tiers
         bs = self.block_size
         for rid, blocks in w.held.items():
@@ -781,20 +863,38 @@ class ClusterScheduler:
         for n in by_tier:
             total += n
             out.append(total)
-        got = self._resumes[w.worker_id] = tuple(out)
-        return got
+        return tuple(out)
 
     def _claim(self, tier: int, need: int, room: Iterable[tuple[int, WorkerSlot]],
                claims: Claims) -> None:
         """A request of ``tier`` needing ``need`` found no room: it claims what is free
         for it on the worker with the most (``room``: each decode worker's usable blocks
         for it)."""
-        free, w = max(room, key=lambda fw: fw[0])
+        free, w = max(room, key=itemgetter(0))
         claims.add(w.worker_id, tier, need, max(min(need, free), 0))
 
     def _room(self, req: Request, need: int, decode: list[WorkerSlot],
               claims: Claims) -> list[tuple[int, WorkerSlot]]:
         return [(self._usable(w, req.tier, need, claims), w) for w in decode]
+
+    def _decode_room(self, tier: int, need: int, decode: list[WorkerSlot], claims: Claims
+                     ) -> tuple[list[tuple[int, WorkerSlot]], list[DecodeView]]:
+        """Each decode worker's usable blocks for a request of ``tier`` needing ``need``
+        (:meth:`_usable`, as ``_room`` gives them) and its view with those as its free
+        blocks (:meth:`_dview`): one pass over the workers, for every request offered."""
+        room: list[tuple[int, WorkerSlot]] = []
+        views: list[DecodeView] = []
+        books = self._books
+        for w in decode:
+            b = books.get(w.worker_id) or self._book(w)
+            view = b.view
+            free = w.num_free_blocks - w.num_promised
+            if free != view.num_free_blocks:
+                view = b.view = replace(view, num_free_blocks=free)
+            usable = free - b.resuming[tier] - claims.held(w.worker_id, tier, need)
+            room.append((usable, w))
+            views.append(view if usable == free else replace(view, num_free_blocks=usable))
+        return room, views
 
     def _route(self, req: Request, now: float, blocked: Claims) -> DispatchOrder | None:
         need = -(-(req.num_context_tokens + 1) // self.block_size)
@@ -811,9 +911,7 @@ class ClusterScheduler:
                 # Every worker that could prefill it holds its horizon of work already: it
                 # waits here, and orders no preemption for decode memory it cannot use yet.
                 return None
-        matches = (self.mirror.match_lens(req.block_hashes,
-                                          [w.worker_id for w in self.workers.values()
-                                           if w.is_alive])
+        matches = (self.mirror.match_lens(req.block_hashes, self._prefill_site_ids())
                    if req.block_hashes else {})
         if not remote:
             # Aggregated: the decode worker prefills too; pick by its queued prefill and
@@ -839,11 +937,10 @@ class ClusterScheduler:
             pv = self.policy.place_prefill(req, views)
             if pv is None:
                 return None
-            choice = self.policy.place_decode(
-                req, need, [self._dview(w, self._usable(w, req.tier, need, blocked))
-                            for w in decode], pv.info)
+            room, dviews = self._decode_room(req.tier, need, decode, blocked)
+            choice = self.policy.place_decode(req, need, dviews, pv.info)
             if choice is None:
-                self._claim(req.tier, need, self._room(req, need, decode, blocked), blocked)
+                self._claim(req.tier, need, room, blocked)
                 self._maybe_preempt(req, need, decode, pv.info, now)
                 return None
             dslot = self.workers[choice.view.info.worker_id]
@@ -855,7 +952,7 @@ class ClusterScheduler:
         blocked.note_dispatch(dslot.worker_id, req.tier, need)
         target.prefill_left.put(req.req_id, max(req.num_context_tokens, 1), req.tier)
         self._backlogs.pop(target.worker_id, None)
-        self._dviews.pop(dslot.worker_id, None)
+        self._stale(dslot)
         self._vviews.clear()
         dslot.held[req.req_id] = need
         dslot.num_promised += need
@@ -888,14 +985,15 @@ class ClusterScheduler:
 
     def _dview(self, w: WorkerSlot, free: int | None = None) -> DecodeView:
         """``w`` as placement sees it (``free``: its usable free blocks, default all),
-        with its measured release rate and step time (kept for the plan)."""
-        got = self._dviews.get(w.worker_id)
-        if got is None:
-            got = self._dviews[w.worker_id] = DecodeView(
-                w.info, w.free_blocks, len(w.held), self._release_rate(w),
-                self._growth(w), max(len(self._decode_slots()), 1))
-        return got if free is None or free == got.num_free_blocks else replace(
-            got, num_free_blocks=free)
+        with its measured release rate and step time (kept in its books)."""
+        b = self._book(w)
+        got = b.view
+        if free is None:
+            free = w.free_blocks
+            if free != got.num_free_blocks:
+                got = b.view = replace(got, num_free_blocks=free)
+            return got
+        return got if free == got.num_free_blocks else replace(got, num_free_blocks=free)
 
     def _choose_prefill_site(self, req: Request, dslot: WorkerSlot, rslot: WorkerSlot,
                              matches: dict[str, int], horizon: float | None = None
@@ -926,19 +1024,31 @@ class ClusterScheduler:
 
     def _maybe_preempt(self, req: Request, need: int, decode: list[WorkerSlot],
                        anchor: WorkerInfo, now: float) -> None:
-        ordered = sorted(decode, key=lambda w: topology_class(anchor, w.info)
-                         is not TopologyClass.SAME_DOMAIN)
+        same = self._same_domain.get(anchor.worker_id)
+        if same is None:
+            same = self._same_domain[anchor.worker_id] = frozenset(
+                wid for wid, x in self.workers.items()
+                if topology_class(anchor, x.info) is TopologyClass.SAME_DOMAIN)
+        # The anchor's NVLink domain first, each part in the given order.
+        ordered = ([w for w in decode if w.worker_id in same]
+                   + [w for w in decode if w.worker_id not in same])
         for w in ordered:
-            for rid in [r for r, t in w.preempting_since.items() if now - t > PREEMPT_ANSWER_S]:
-                w.preempting.pop(rid, None)
-                del w.preempting_since[rid]
-                self._vviews.clear()
-            soon_free = w.free_blocks + sum(w.preempting.values())
+            if w.preempting_since:
+                for rid in [r for r, t in w.preempting_since.items()
+                            if now - t > PREEMPT_ANSWER_S]:
+                    w.preempting.pop(rid, None)
+                    del w.preempting_since[rid]
+                    self._vviews.clear()
+            soon_free = w.num_free_blocks - w.num_promised  # w.free_blocks
+            if w.preempting:
+                soon_free += sum(w.preempting.values())
             if w.preempting and soon_free >= need:
                 return  # victims ordered here already free enough: wait for them
+            if not w.held:
+                continue  # nothing runs here: no victims
             got = self._vviews.get(w.worker_id)
             if got is None:
-                release = self._release_rate(w)
+                release = self._book(w).view.release_blocks_per_s
                 got = self._vviews[w.worker_id] = (
                     release, tuple(self._victim_views(w, decode, release)))
             release, cands = got
@@ -955,7 +1065,7 @@ class ClusterScheduler:
                     n = w.held.get(v.req_id, v.num_blocks)
                     target.held[v.req_id] = n
                     target.num_promised += n
-                    self._dviews.pop(target.worker_id, None)
+                    self._stale(target)
                     e.migrate_to, e.migrate_blocks, e.migrate_promised = target.worker_id, n, True
                     order = PreemptOrder(v.req_id, w.worker_id, v.mode, req.req_id,
                                          target.worker_id)
@@ -1051,6 +1161,7 @@ class ClusterScheduler:
         target = self.workers.get(e.migrate_to or "")
         if target is not None:
             target.held.pop(e.req.req_id, None)
+            self._stale(target)
             if e.migrate_promised:
                 target.num_promised = max(0, target.num_promised - e.migrate_blocks)
         e.migrate_to, e.migrate_blocks, e.migrate_promised = None, 0, False
@@ -1108,6 +1219,7 @@ class ClusterScheduler:
             self._end(req_id, now, decision, f"dispatch:{reason}", error=reason or "refused")
             return
         # Refused (a stale view of its free blocks, or the worker is going away): requeue.
+        self._stale_holders(req_id)
         for w in self.workers.values():
             w.prefill_left.pop(req_id)
             w.held.pop(req_id, None)
@@ -1122,6 +1234,7 @@ class ClusterScheduler:
         if rep.step_costs:
             w.costs.load_tuple(rep.step_costs)
             self.est.invalidate()
+            self._books.clear()
         if rep.memory is not None:
             w.memory = rep.memory
             self._learn_links(w, rep.memory)
@@ -1161,6 +1274,14 @@ class ClusterScheduler:
                                               now)
             w.prefill_left.put(r.req_id, r.num_prefill_left, e.req.tier)
         w.observe_pace(pace, now)
+        # Its held requests and pace changed, and so may the requests it reports wherever
+        # else they are held (a migration's other end).
+        self._stale(w)
+        touched = {r.req_id for r in rep.running}
+        touched.update(ev.req_id for ev in rep.events)
+        for x in self.workers.values():
+            if x is not w and not touched.isdisjoint(x.held):
+                self._stale(x)
 
     def _learn_links(self, w: WorkerSlot, mem: KVMemoryReport) -> None:
         """The moves ``w`` timed refine the link model the victims are priced with."""
@@ -1213,6 +1334,7 @@ class ClusterScheduler:
                 self._move(rid, S.DECODING, D.START_DECODE, ev.time, by, mem=mem)
             # Its last report's count: the tokens of the final step may be missing.
             self.outputs.observe(req.tier, max(req.num_output_tokens, 1))
+            self._books.clear()  # every release rate reads the expected output lengths
             spec = self.tiers[req.tier]
             if spec.ttft_s is None and spec.e2e_s is not None:  # its milestone is the end
                 self.policy.observe_latency(req.tier, ev.time - req.arrival_time, spec.e2e_s)
@@ -1297,6 +1419,7 @@ class ClusterScheduler:
         if e is None:
             return
         e.req.num_output_tokens = max(e.req.num_output_tokens, num_output_tokens)
+        self._stale_holders(req_id)
         if outcome in ("stop", "length"):
             if e.req.state in (S.PREFILLING, S.TRANSFERRING) and e.req.num_output_tokens > 1:
                 self._move(req_id, S.DECODING, D.START_DECODE, now, "router:finish")
@@ -1340,6 +1463,7 @@ class ClusterScheduler:
                              blocking_req_id=blocking)
         except IllegalTransition:
             return  # a late event for a state already left
+        self._stale_holders(rid)
         if self.observer is not None:
             self.observer.on_decision(rec, e.req.tier)
 
@@ -1354,6 +1478,7 @@ class ClusterScheduler:
             w.preempting.pop(rid, None)
             w.shared.pop(rid, None)
             if rid in w.held:
+                self._stale(w)
                 n = w.held.pop(rid)
                 if e.is_dispatching or (e.migrate_promised and e.migrate_to == w.worker_id):
                     w.num_promised = max(0, w.num_promised - n)
@@ -1385,23 +1510,25 @@ class ClusterScheduler:
         prefillers = (self._prefill_slots() if self.mode is PoolMode.DISAGGREGATED
                       else [w for w in self.workers.values() if w.is_alive])
         for w in prefillers:
-            for t, s in enumerate(w.backlog_by_tier()):
-                backlog[t] += s
+            backlog = [a + b for a, b in zip(backlog, w.backlog_by_tier(), strict=True)]
         held = [0] * n
         pairs = []
+        num_free = 0
         decode = self._decode_slots()
         for w in decode:
+            free = w.num_free_blocks - w.num_promised
+            if free > 0:
+                num_free += free
             for rid, blocks in w.held.items():
                 e = self.live.get(rid)
                 if e is not None:
                     held[e.req.tier] += blocks
                     pairs.append((blocks, self.outputs.expected(e.req)))
-        has_room = any(w.free_blocks > 0 for w in decode)
         idle = any(not w.prefill_left for w in prefillers)
         return LoadSnapshot(backlog, max(len(prefillers), 1),
-                            has_room and idle and not len(self.queue), queued, held,
-                            sum(max(w.free_blocks, 0) for w in decode),
-                            kv_release_rate(pairs, est.decode_token_s()), self.block_size)
+                            num_free > 0 and idle and not len(self.queue), queued, held,
+                            num_free, kv_release_rate(pairs, est.decode_token_s()),
+                            self.block_size)
 
 
 def event_kind_for_preempt(mode: PreemptMode) -> WorkerEvent:

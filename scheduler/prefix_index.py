@@ -169,22 +169,54 @@ class BlockRemoved:
 
 
 class PrefixMirror:
-    """The global view: which workers hold which block hashes (from block events)."""
+    """The global view: which workers hold which block hashes (from block events).
+
+    A block's holders are a frozenset shared by every block the same workers hold (one
+    object per distinct set of workers): a prompt's shared prefix is mostly held by the
+    same workers, and ``match_lens`` walks it comparing identities instead of sets."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, frozenset[str]] = {}
+        # Each distinct holder set, and the set one more (or one fewer) worker makes of it.
+        self._sets: dict[frozenset[str], frozenset[str]] = {}
+        self._plus: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+        self._minus: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+
+    def _shared(self, s: frozenset[str]) -> frozenset[str]:
+        if len(self._sets) > 4 * len(self._holders) + 64:
+            # Sets no block has any more (workers come and go): start the tables afresh.
+            self._sets = {x: x for x in self._holders.values()}
+            self._plus, self._minus = {}, {}
+        return self._sets.setdefault(s, s)
 
     def apply(self, worker_id: str, event: BlockStored | BlockRemoved) -> None:
+        holders = self._holders
         if isinstance(event, BlockStored):
+            plus = self._plus
+            empty: frozenset[str] = frozenset()
             for h in event.block_hashes:
-                self._holders.setdefault(h, set()).add(worker_id)
+                old = holders.get(h, empty)
+                if worker_id in old:
+                    continue
+                new = plus.get((old, worker_id))
+                if new is None:
+                    new = self._shared(old | {worker_id})
+                    self._plus[(old, worker_id)] = new
+                holders[h] = new
         else:
+            minus = self._minus
             for h in event.block_hashes:
-                s = self._holders.get(h)
-                if s is not None:
-                    s.discard(worker_id)
-                    if not s:
-                        del self._holders[h]
+                old = holders.get(h)
+                if old is None or worker_id not in old:
+                    continue
+                if len(old) == 1:
+                    del holders[h]
+                    continue
+                new = minus.get((old, worker_id))
+                if new is None:
+                    new = self._shared(old - {worker_id})
+                    self._minus[(old, worker_id)] = new
+                holders[h] = new
 
     def drop_worker(self, worker_id: str) -> None:
         """A worker died or restarted: forget everything it held."""
@@ -198,18 +230,20 @@ class PrefixMirror:
         out = dict.fromkeys(worker_ids, 0)
         alive = set(out)
         holders = self._holders
+        ok: frozenset[str] | None = None  # a holder set known to contain all of alive
         n = 0
-        for h in hashes:
-            s = holders.get(h)
+        for s in map(holders.get, hashes):
             if s is None:
                 break
-            if not alive <= s:
-                still = alive & s
-                for w in alive - still:
-                    out[w] = n
-                alive = still
-                if not alive:
-                    return out
+            if s is not ok:
+                if not alive <= s:
+                    still = alive & s
+                    for w in alive - still:
+                        out[w] = n
+                    alive = still
+                    if not alive:
+                        return out
+                ok = s
             n += 1
         for w in alive:
             out[w] = n

@@ -11,7 +11,8 @@ estimate points back at it) and shared requests cost nothing extra.
 
 What is left out or shared: configuration passed in ``skip``/``keep`` by id
 and the :data:`CONFIG_TYPES` (the service estimate and the step-cost models,
-which the checker never trains); callables; :data:`STAT_ATTRS`. Requests are
+which the checker never trains); callables; :data:`STAT_ATTRS` and
+:data:`DERIVED_ATTRS`. Requests are
 keyed by the world itself, so inside these graphs a request stands for its id.
 
 Wait queues and the prefix mirror have canonical forms (:data:`CANONICAL`):
@@ -47,6 +48,13 @@ _CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, f
 # differ only there have the same future (left out of the state key).
 STAT_ATTRS = frozenset({"num_lookup_blocks", "num_hit_blocks", "total_demand", "total_served",
                         "num_preemptions", "num_steps"})
+# Attributes that only keep what is computed from the rest of the state (the cluster
+# scheduler's decode books and worker lists, a prefill book's seconds): two states that
+# differ only there decide alike (left out of the state key, copied as they are).
+DERIVED_ATTRS = frozenset({"_books", "_same_domain", "_prefill_list", "_decode_list",
+                           "_site_ids", "_tier_coefs", "_tier_s", "_tier_changed",
+                           "_total_costs", "_total_coefs", "_total_s"})
+_UNKEYED = STAT_ATTRS | DERIVED_ATTRS
 # Immutable here: shared by copies, left out of keys.
 CONFIG_TYPES: tuple[type, ...] = (LinearEstimate, StepCosts)
 _ATOMIC = (type(None), bool, int, float, str, bytes, enum.Enum, range)
@@ -62,7 +70,7 @@ _walked_cache: dict[type, tuple[str, ...]] = {}
 def _walked_slots(cls: type) -> tuple[str, ...]:
     names = _walked_cache.get(cls)
     if names is None:
-        names = _walked_cache[cls] = tuple(n for n in _slot_names(cls) if n not in STAT_ATTRS)
+        names = _walked_cache[cls] = tuple(n for n in _slot_names(cls) if n not in _UNKEYED)
     return names
 
 
@@ -178,7 +186,8 @@ def _canonical(t: type) -> Callable[[object], tuple[tuple, tuple]]:
 def fingerprint(obj: object, skip: frozenset[int]) -> tuple:
     """A hashable structural snapshot of ``obj``: a flat tuple of its leaves with
     type and length markers (floats to 1e-9). Objects whose id is in ``skip``
-    (immutable configuration), :data:`CONFIG_TYPES`, callables and :data:`STAT_ATTRS`
+    (immutable configuration), :data:`CONFIG_TYPES`, callables, :data:`STAT_ATTRS` and
+    :data:`DERIVED_ATTRS`
     are left out; a request is its id; queues and the prefix mirror are walked in
     their canonical forms; an object met again is a back-reference. Dict order is
     kept (it may decide iteration order), sets are sorted.
@@ -275,7 +284,7 @@ def fingerprint(obj: object, skip: frozenset[int]) -> tuple:
             d = getattr(x, "__dict__", None)
             if d is not None:
                 for name, v in d.items():
-                    if name in STAT_ATTRS:
+                    if name in _UNKEYED:
                         continue
                     tv = type(v)
                     if tv in plain:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler.kv import KVBlockAccount
@@ -50,6 +52,27 @@ def test_mirror_tracks_workers_from_block_events() -> None:
     assert m.match_lens([1, 2, 3], ["a"]) == {"a": 1}
     m.drop_worker("b")
     assert m.match_lens([1], ["b"]) == {"b": 0}
+
+
+def test_mirror_match_lens_equals_a_walk_per_worker() -> None:
+    """The one walk with the workers still matching (and its single-worker tail) gives
+    each worker the length of the prefix it holds, as walking the prompt per worker does."""
+    rng = random.Random(5)
+    workers = ["a", "b", "c", "d"]
+    for _ in range(300):
+        m = PrefixMirror()
+        held = {w: {h for h in range(12) if rng.random() < 0.7} for w in workers}
+        for w, hs in held.items():
+            m.apply(w, BlockStored(sorted(hs), None))
+        prompt = [rng.randrange(12) for _ in range(rng.randint(0, 10))]
+        asked = rng.sample(workers, rng.randint(1, 4))
+        want = {}
+        for w in asked:
+            n = 0
+            while n < len(prompt) and prompt[n] in held[w]:
+                n += 1
+            want[w] = n
+        assert m.match_lens(prompt, asked) == want
 
 
 def test_block_account_is_all_or_nothing_and_evicts_cached() -> None:
