@@ -190,11 +190,11 @@ class DecodeWorker:
         v = self.core.preempt_order(req_id, mode, target_worker_id)
         if v.ok is not None:
             return v.ok
-        if v.action == "fall_back":
+        if v.action is wc.PreemptAction.FALL_BACK:
             if self.producer is not None:
                 self.producer.abort(req_id)
             return await self._fall_back(req_id, "target_lost")
-        if v.action == "migrate":
+        if v.action is wc.PreemptAction.MIGRATE:
             return await self._migrate_out(req_id, for_req_id, target_worker_id or "")
         free_before = self.engine.num_free_blocks
         done, n, seconds = await self._thread.call(

@@ -197,12 +197,19 @@ class KVVerdict(enum.Enum):
     DROPPED = "dropped"  # a migration in that failed: its source recomputes it, drain
 
 
+class PreemptAction(enum.Enum):
+    NONE = "none"  # nothing to do: the verdict's ``ok`` is the order's answer
+    EVICT = "evict"  # swap out or recompute here, in ``eviction_order``
+    MIGRATE = "migrate"  # detach it and move it with its KV to the order's target
+    FALL_BACK = "fall_back"  # its migration will not complete: end it, recompute here
+
+
 @dataclass(frozen=True, slots=True)
 class PreemptVerdict:
     """What a preempt order (or the planner's own victim) comes to."""
 
     ok: bool | None  # None: act (see ``action``); True/False: the order's answer, nothing to do
-    action: str = ""  # "evict" (``eviction_order``) | "migrate" | "fall_back"
+    action: PreemptAction = PreemptAction.NONE
 
 
 class SendVerdict(enum.Enum):
@@ -525,7 +532,7 @@ class DecodeCore:
         e = self.get(req_id)
         if e is not None and mode is PreemptMode.RECOMPUTE:
             if e.stage is Stage.MIGRATING:
-                return PreemptVerdict(None, "fall_back")
+                return PreemptVerdict(None, PreemptAction.FALL_BACK)
             if e.stage is Stage.PREFILLING and e.is_recompute:
                 return PreemptVerdict(True)
         if e is None or e.stage is not Stage.DECODING:
@@ -533,8 +540,8 @@ class DecodeCore:
         if mode is PreemptMode.MIGRATE:
             if not self.can_migrate or not target:
                 return PreemptVerdict(False)
-            return PreemptVerdict(None, "migrate")
-        return PreemptVerdict(None, "evict")
+            return PreemptVerdict(None, PreemptAction.MIGRATE)
+        return PreemptVerdict(None, PreemptAction.EVICT)
 
     def victims(self, plan: StepPlan) -> list[tuple[str, PreemptMode]]:
         """The planner's own victims, each with how it goes (swap, else recompute)."""
@@ -841,5 +848,5 @@ class DecodeCore:
 
 
 __all__ = ["DecodeCore", "Entry", "FirstToken", "IllegalMove", "KVVerdict", "Move",
-           "PreemptVerdict", "Release", "SendVerdict", "Stage", "StepResult",
+           "PreemptAction", "PreemptVerdict", "Release", "SendVerdict", "Stage", "StepResult",
            "eviction_order", "kernel_request", "request_state"]

@@ -31,6 +31,7 @@ from scheduler.worker_core import (
     DecodeCore,
     IllegalMove,
     KVVerdict,
+    PreemptAction,
     Release,
     SendVerdict,
     Stage,
@@ -179,7 +180,7 @@ def test_a_swap_order_swaps_out_holds_the_room_and_swaps_back_in() -> None:
     core = make_core()
     received(core, "a")
     v = core.preempt_order("a", PreemptMode.SWAP, None)
-    assert v.ok is None and v.action == "evict"
+    assert v.ok is None and v.action is PreemptAction.EVICT
     assert eviction_order(PreemptMode.SWAP, False) == (PreemptMode.SWAP, PreemptMode.RECOMPUTE)
     assert eviction_order(PreemptMode.RECOMPUTE, True) == (PreemptMode.SWAP,)
     assert core.evicted("a", PreemptMode.SWAP, "urgent", 3.0, num_blocks=3, seconds=0.01,
@@ -222,7 +223,7 @@ def test_a_migration_hands_off_or_falls_back_to_a_recompute() -> None:
     received(core, "a")
     received(core, "b")
     assert core.preempt_order("a", PreemptMode.MIGRATE, None).ok is False  # no target
-    assert core.preempt_order("a", PreemptMode.MIGRATE, "d1").action == "migrate"
+    assert core.preempt_order("a", PreemptMode.MIGRATE, "d1").action is PreemptAction.MIGRATE
     core.migrating("a", 3.0)
     assert core.entries["a"].stage is Stage.MIGRATING and "a" not in core.planner.local
     assert core.migration_answered("a", "d1", "urgent", 41, (1, 2, 3), 3.1)
@@ -235,7 +236,7 @@ def test_a_migration_hands_off_or_falls_back_to_a_recompute() -> None:
     # b: its target is lost mid-transfer: recomputed here, prompt and output.
     core.migrating("b", 4.0)
     assert core.migration_answered("b", "d1", None, 41, (4, 5, 6), 4.1)
-    assert core.preempt_order("b", PreemptMode.RECOMPUTE, None).action == "fall_back"
+    assert core.preempt_order("b", PreemptMode.RECOMPUTE, None).action is PreemptAction.FALL_BACK
     core.fell_back("b", "target_lost", 3, 4.2)
     assert core.entries["b"].stage is Stage.PREFILLING
     assert core.planner.local["b"].num_prefill_left == 42
