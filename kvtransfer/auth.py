@@ -24,5 +24,11 @@ def pair_proof(secret: str, pair: str, producer_id: str) -> str:
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def is_valid_proof(secret: str, pair: str, producer_id: str, proof: str) -> bool:
-    return hmac.compare_digest(pair_proof(secret, pair, producer_id), proof)
+def is_valid_proof(secret: str, pair: str, producer_id: str, proof: object) -> bool:
+    """Whether ``proof`` (from a Hello: untrusted) proves the pair; never raises. Compared
+    as bytes: ``compare_digest`` raises on a str with non-ASCII characters, and a raise here
+    would end the consumer's accept loop (issue 24)."""
+    if not isinstance(proof, str) or not isinstance(pair, str) or not isinstance(producer_id, str):
+        return False
+    want = pair_proof(secret, pair, producer_id).encode()
+    return hmac.compare_digest(want, proof.encode("utf-8", "surrogatepass"))

@@ -221,30 +221,38 @@ class KVConsumer:
                     log.error("kvtransfer consumer %s: accept queue failed: %s", self.endpoint_id, exc)
                 return
             try:
-                msg = wire.decode(raw)
-            except wire.ProtocolError as exc:
-                log.warning("kvtransfer consumer: bad hello dropped: %s", exc)
-                continue
-            if isinstance(msg, wire.Bye) or self._closed.is_set():
-                continue
-            if not isinstance(msg, wire.Hello):
-                log.warning("kvtransfer consumer: unexpected %s on the accept queue", type(msg).__name__)
-                continue
-            if msg.pair in self._pairs_seen or not auth.is_valid_proof(
-                    self._secret, msg.pair, msg.producer_id, msg.proof):
+                self._accept(raw)
+            except Exception:  # one bad Hello never ends the loop: later pairs still open
                 self.num_refused_pairs += 1
-                log.warning("kvtransfer consumer %s: refused a pair from %r: it holds none of "
-                            "our tickets (or replayed a hello)", self.endpoint_id,
-                            msg.producer_id[:64])
-                continue
-            self._pairs_seen.add(msg.pair)
-            link = ConsumerLink(self._link_context, msg)
-            with self._links_lock:
-                old = self._links.pop(msg.pair, None)
-                self._links[msg.pair] = link
-            if old is not None:
-                old.close(graceful=False)
-            link.start()
+                log.exception("kvtransfer consumer %s: a hello failed; dropped", self.endpoint_id)
+
+    def _accept(self, raw: bytes) -> None:
+        """One message of the accept queue: a Hello that proves a ticket opens its pair."""
+        try:
+            msg = wire.decode(raw)
+        except wire.ProtocolError as exc:
+            log.warning("kvtransfer consumer: bad hello dropped: %s", exc)
+            return
+        if isinstance(msg, wire.Bye) or self._closed.is_set():
+            return
+        if not isinstance(msg, wire.Hello):
+            log.warning("kvtransfer consumer: unexpected %s on the accept queue", type(msg).__name__)
+            return
+        if msg.pair in self._pairs_seen or not auth.is_valid_proof(
+                self._secret, msg.pair, msg.producer_id, msg.proof):
+            self.num_refused_pairs += 1
+            log.warning("kvtransfer consumer %s: refused a pair from %r: it holds none of "
+                        "our tickets (or replayed a hello)", self.endpoint_id,
+                        msg.producer_id[:64])
+            return
+        self._pairs_seen.add(msg.pair)
+        link = ConsumerLink(self._link_context, msg)
+        with self._links_lock:
+            old = self._links.pop(msg.pair, None)
+            self._links[msg.pair] = link
+        if old is not None:
+            old.close(graceful=False)
+        link.start()
 
     def _drop_link(self, link: ConsumerLink) -> None:
         with self._links_lock:

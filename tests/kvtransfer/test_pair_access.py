@@ -125,3 +125,31 @@ def test_proofs_bind_the_pair_and_the_producer() -> None:
     hello = wire.Hello("pair-1", "p-1", KVServer("127.0.0.1", 1), KVLocation("n0"),
                        LAYOUT.shape(), proof)
     assert wire.decode(wire.encode(hello)) == hello
+
+
+def test_a_malformed_hello_is_refused_and_later_pairs_still_open() -> None:
+    """A Hello whose proof is not ASCII used to raise in ``compare_digest`` and end the
+    consumer's accept thread: no pair opened again until a restart (issue 24)."""
+    hub = MockHub()
+    dst, consumer, producer = make_pair(connect_timeout_s=10.0, hub=hub)
+    try:
+        ticket = consumer.expect("r", [1, 2])
+        at = ticket.consumer
+        queue = MockBackend(hub).open_queue(at.server, 5.0)
+        for proof in ("\u00e9" * 64, "\U0001f600"):
+            queue.push(wire.ACCEPT_KEY, wire.encode(wire.Hello(
+                "p-bad-1", "p-bad", at.server, at.location, at.layout, proof)))
+        assert wait_until(lambda: consumer.num_refused_pairs == 2, 10.0)
+        producer.begin(ticket)
+        producer.push("r", [3, 4])
+        assert wait_terminal(consumer, "r", 20.0).state is TransferState.DONE
+        assert consumer.peers() == [producer.endpoint_id]
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_non_ascii_proof_is_invalid_not_an_error() -> None:
+    assert not auth.is_valid_proof("s", "pair-1", "p-1", "\u00e9" * 64)
+    assert not auth.is_valid_proof("s", "pair-1", "p-1", None)  # type: ignore[arg-type]
+    assert auth.is_valid_proof("s", "pair-1", "p-1", auth.pair_proof("s", "pair-1", "p-1"))
