@@ -15,11 +15,12 @@ what ``/openapi.json`` publishes for the request bodies.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from router import json_limits
 
 
 class ApiError(Exception):
@@ -116,7 +117,7 @@ class ChatMessage(_Body):
             calls = []
             for c in self.tool_calls:
                 try:
-                    args: Any = json.loads(c.function.arguments or "{}")
+                    args: Any = json_limits.loads(c.function.arguments or "{}")
                 except ValueError:
                     args = c.function.arguments
                 calls.append({"id": c.id, "type": "function",
@@ -312,9 +313,9 @@ def parse_body(raw: bytes, model: type[_Body],
     """The validated request model of a JSON body; ``before`` sees the raw object first
     (router.params refuses the parameters it does not honour there)."""
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
+        data = json_limits.loads(raw, "request body", parse_constant=_no_constant)
+    except json_limits.TooDeep as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
         raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):

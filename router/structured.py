@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
+from router import json_limits
 from router.protocol import ApiError, _SamplingFields
 
 JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, LARK = (
@@ -25,9 +26,16 @@ class Constraint(NamedTuple):
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = json_limits.loads(schema, param)
+        except json_limits.TooDeep as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
         except ValueError:
             raise ApiError(400, f"{param}: not a JSON schema (not JSON)", param=param) from None
+    else:
+        try:
+            json_limits.check_depth(schema, param)
+        except json_limits.TooDeep as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
     if not isinstance(schema, (dict, bool)):
         raise ApiError(400, f"{param}: a JSON schema is an object", param=param)
     return json.dumps(schema)

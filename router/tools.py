@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from router import json_limits
+
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 
@@ -72,7 +74,7 @@ def forced_schema(tools: list[dict[str, Any]], named: str | None) -> dict[str, A
 def parse_forced(text: str, named: str | None) -> list[ParsedCall]:
     """The calls of a forced output (its grammar guarantees the shape unless cut short)."""
     try:
-        value = json.loads(text)
+        value = json_limits.loads(text)
     except ValueError:
         return []
     if named is not None:
@@ -113,7 +115,7 @@ def parse_calls(text: str, fmt: str) -> tuple[str | None, list[ParsedCall]]:
 
 def _call(raw: str, arguments_key: str = "arguments") -> ParsedCall | None:
     try:
-        value = json.loads(raw)
+        value = json_limits.loads(raw)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

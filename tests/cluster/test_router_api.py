@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from router.app import RouterSettings, build_app
 from router.backend import FinishReason, GenerationSpec, TokenDelta, TokenLogprobs
+from router.json_limits import MAX_DEPTH
 from router.params import BY_NAME, PARAMS, Support
 from router.tenants import TenantDirectory
 from router.tools import HERMES, LLAMA3_JSON, parse_calls, template_tool_format
@@ -424,6 +425,37 @@ def test_structured_output_constraints() -> None:
     assert r.status_code == 400 and "one output constraint" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}})
     assert r.status_code == 200 and backend.specs[-1].sampling.grammar_kind == ""
+
+
+def test_json_nested_past_the_bound_is_a_400_never_a_500() -> None:
+    """Issue 24 item 7: a guided_json string or tool-call arguments nested deeper than
+    ``json.loads`` recurses raised RecursionError (a 500); a document just below that
+    parsed and went on to whatever walks it next. Past MAX_DEPTH it is a 400."""
+    client, backend = make()
+    very_deep = "[" * 5000 + "]" * 5000  # past json.loads' recursion
+    deep = {"type": "object"}
+    for _ in range(MAX_DEPTH + 1):
+        deep = {"properties": {"x": deep}}
+    for body in ({"guided_json": very_deep},
+                 {"guided_json": json.dumps(deep)},
+                 {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": deep}}},
+                 {"deep": deep}):
+        r = client.post("/v1/chat/completions", json={**CHAT, **body})
+        assert r.status_code == 400, (list(body), r.status_code, r.text[:200])
+        assert "nested" in r.json()["error"]["message"]
+    # Tool-call arguments of an earlier assistant turn that nest too deeply: no 5xx.
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "get_time", "arguments": very_deep}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+                {"role": "user", "content": "and now?"}]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code < 500, r.text[:200]
+    # A schema of ordinary depth is still taken.
+    r = client.post("/v1/chat/completions", json={**CHAT, "guided_json": {"type": "object"}})
+    assert r.status_code == 200 and backend.specs[-1].sampling.grammar_kind == "json_schema"
 
 
 TOOLS = [{"type": "function", "function": {
