@@ -248,6 +248,9 @@ class RouterConfig(_Frozen):
     retry_resume_timeout_s: float = Field(7.0, ge=0)
     max_tokens_limit: int = Field(4096, ge=1)
     default_max_tokens: int = Field(256, ge=1)
+    # Sequences one request may ask the engines for (prompts x n, or x best_of): more is a
+    # 400 (64 prompts x best_of 16 would be 1,024 sequences of one client's request).
+    max_sequences_per_request: int = Field(64, ge=1)
     # Request bodies over this many bytes are refused (413) before they are parsed.
     max_body_bytes: int = Field(4 << 20, ge=1024)
     # Serve without API keys (no tenant has one) on an address other than loopback. Off:

@@ -80,6 +80,7 @@ class RouterIngress:
             self._cfg.tier_config.num_tiers)
         settings = RouterSettings(max_tokens_limit=rc.max_tokens_limit,
                                   default_max_tokens=rc.default_max_tokens,
+                                  max_sequences_per_request=rc.max_sequences_per_request,
                                   request_timeout_s=rc.request_timeout_s,
                                   max_body_bytes=rc.max_body_bytes,
                                   open_metrics=rc.open_metrics)

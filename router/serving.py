@@ -72,6 +72,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 class RouterSettings:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    max_sequences_per_request: int = 64  # prompts x n (or best_of): more is a 400
     request_timeout_s: float = 600.0
     health_timeout_s: float = 5.0
     # Bodies over this are refused (413) before they are read in full or parsed.
@@ -256,6 +257,12 @@ class Serving:
             raise ApiError(400, "stream_options: only with stream: true",
                            param="stream_options")
         num_seqs = body.num_sequences()
+        num_prompts = 1 if chat else len(body.prompts())  # type: ignore[union-attr]
+        if num_prompts * num_seqs > cfg.max_sequences_per_request:
+            raise ApiError(400, f"the request asks for {num_prompts * num_seqs} sequences "
+                           f"({num_prompts} prompts x {num_seqs}); at most "
+                           f"{cfg.max_sequences_per_request} per request",
+                           param="best_of" if body.num_sequences() > body.n else "n")
         k = body.logprobs_k()
         tools = self._tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
         grammar = request_grammar(body)

@@ -312,6 +312,22 @@ def test_n_choices_and_best_of() -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 
 
+def test_the_sequences_of_one_request_are_capped() -> None:
+    """Issue 24 item 7: 64 prompts x best_of 16 asked the engines for 1,024 sequences in
+    one request; more than ``router.max_sequences_per_request`` (64) is a 400."""
+    client, backend = make()
+    prompts = [f"p{i}" for i in range(8)]
+    r = client.post("/v1/completions", json={**COMPLETION, "prompt": prompts * 8, "best_of": 16,
+                                             "n": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text[:200]
+    assert "1024 sequences" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={**COMPLETION, "prompt": prompts * 2, "n": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    before = len(backend.specs)
+    r = client.post("/v1/completions", json={**COMPLETION, "prompt": prompts * 2, "n": 4})
+    assert r.status_code == 200 and len(backend.specs) == before + 16  # 64 sequences: taken
+
+
 def test_logprobs_in_chat_and_completion_formats() -> None:
     client, _ = make()
     r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "logprobs": True,
