@@ -81,6 +81,9 @@ RETRY_PATIENCE_S = 5.0
 RETRY_POLL_S = 0.5
 # A Claim waits while a restarted scheduler settles (scheduler_actor.SETTLE_GRACE_S).
 CLAIM_TIMEOUT_S = 30.0
+# /health answers from the scheduler's liveness of at most this long ago: a flood of
+# probes (unauthenticated) costs the scheduler one small call a second, whoever sends them.
+HEALTH_CACHE_S = 1.0
 
 
 class HFTokenizer:
@@ -198,6 +201,7 @@ class ClusterBackend:
         self._finisher: asyncio.Task[None] | None = None
         # Since when the global scheduler is unreachable (None: reachable, as far as known).
         self._sched_down_since: float | None = None
+        self._health: tuple[float, asyncio.Future[dict[str, Any]]] | None = None
         self._gone_workers: set[str] = set()
 
     @property
@@ -546,14 +550,21 @@ class ClusterBackend:
             return {"ok": False, "live_workers": {"prefill": 0, "decode": 0},
                     "detail": "the global scheduler is restarting",
                     "down_s": round(time.monotonic() - self._sched_down_since, 1)}
-        stats = unpack(await self._rpc(self._sched.stats.remote()))
-        workers = stats["workers"]
-        live = {r: sum(1 for w in workers.values() if w["alive"] and w["role"] == r)
-                for r in ("prefill", "decode")}
-        mode = stats.get("mode", "disaggregated")
-        ok = bool(stats.get("ready", True)) and live["decode"] > 0 and (
+        now = time.monotonic()
+        if self._health is None or now - self._health[0] > HEALTH_CACHE_S or (
+                self._health[1].done() and self._health[1].exception() is not None):
+            # One call in flight, shared by every probe until it is HEALTH_CACHE_S old.
+            fut = asyncio.ensure_future(self._scheduler_health())
+            self._health = (now, fut)
+        return dict(await asyncio.shield(self._health[1]))
+
+    async def _scheduler_health(self) -> dict[str, Any]:
+        got = unpack(await self._rpc(self._sched.health.remote()))
+        live = got["live_workers"]
+        mode = got.get("mode", "disaggregated")
+        ok = bool(got.get("ready", True)) and live["decode"] > 0 and (
             live["prefill"] > 0 or mode == "aggregated")
-        return {"ok": ok, "live_workers": live, "policy": stats["policy"], "mode": mode}
+        return {"ok": ok, "live_workers": live, "policy": got["policy"], "mode": mode}
 
     async def why(self, req_id: str, tenant: str | None = None) -> dict[str, Any] | None:
         return unpack(await self._rpc(self._sched.why.remote(req_id, tenant)))

@@ -557,6 +557,15 @@ class GlobalScheduler:
         claim work conservation)."""
         return list(self.core.work_conservation_s(time.time()))
 
+    def health(self) -> dict[str, object]:
+        """What ``/health`` needs, in one pass over the workers (``stats`` walks every live
+        request and every worker's reserves: not for a probe anyone may send)."""
+        live = {"prefill": 0, "decode": 0}
+        for w in self.core.workers.values():
+            if w.is_alive:
+                live["decode" if w.can_decode else "prefill"] += 1
+        return {"policy": self.policy.name, "mode": self.core.mode.value, "live_workers": live}
+
     def stats(self) -> dict[str, object]:
         return {
             "policy": self.policy.name,

@@ -401,6 +401,12 @@ def _make_actor_class() -> Any:
             payload, _ = self._svc._core().render_metrics()
             return payload
 
+        async def health(self) -> bytes:
+            if not self._svc.ready():
+                return pack({"ready": False, "policy": self._svc.cfg.scheduling.policy,
+                             "live_workers": {"prefill": 0, "decode": 0}})
+            return pack({"ready": True, **self._svc._core().health()})
+
         async def stats(self) -> bytes:
             inc = self._svc.incarnation
             if not self._svc.ready():

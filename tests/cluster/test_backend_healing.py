@@ -71,14 +71,15 @@ class FakeScheduler:
         self.finish = Method(lambda _: _value(None))
         self.abort = Method(lambda _: _value(None))
         self.worker_failed = Method(lambda _: _value(None))
-        self.stats = Method(self._stats)
+        self.health = Method(self._health)
+        self.num_health_calls = 0
 
-    async def _stats(self) -> bytes:
+    async def _health(self) -> bytes:
+        self.num_health_calls += 1
         if not self.is_up:
             raise _gone()
         return pack({"ready": True, "policy": "tierserve", "mode": "disaggregated",
-                     "workers": {"p0": {"alive": True, "role": "prefill"},
-                                 "d0": {"alive": True, "role": "decode"}}})
+                     "live_workers": {"prefill": 1, "decode": 1}})
 
     async def _submit(self, raw: bytes) -> bytes:
         self.num_submit_calls += 1
@@ -274,5 +275,25 @@ def test_a_retry_admission_turns_away_for_now_is_submitted_again() -> None:
         dec.send("a-r1", (4, 5), "length")
         assert (await first).token_ids == (4, 5)
         await stream.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_flood_of_health_probes_costs_the_scheduler_one_small_call(monkeypatch) -> None:
+    """Issue 24 item 6: /health is unauthenticated; each probe used to build the
+    scheduler's full stats. Probes now share one light call per HEALTH_CACHE_S."""
+    import cluster.backend as backend_mod
+
+    async def go() -> None:
+        backend, sched, _ = make_backend()
+        got = await asyncio.gather(*(backend.health() for _ in range(200)))
+        assert all(g["ok"] for g in got) and sched.num_health_calls == 1
+        for _ in range(50):
+            await backend.health()
+        assert sched.num_health_calls == 1
+        monkeypatch.setattr(backend_mod, "HEALTH_CACHE_S", 0.0)
+        await asyncio.sleep(0.01)
+        await backend.health()
+        assert sched.num_health_calls == 2  # older than the bound: asked again
 
     asyncio.run(go())
