@@ -81,6 +81,10 @@ RETRY_PATIENCE_S = 5.0
 RETRY_POLL_S = 0.5
 # A Claim waits while a restarted scheduler settles (scheduler_actor.SETTLE_GRACE_S).
 CLAIM_TIMEOUT_S = 30.0
+# A claim that fails is tried again after each of these pauses; when every try failed, the
+# requests it named are retried (a request the scheduler does not know would else wait out
+# request_timeout_s): about 10 s from the first failure to the retries.
+CLAIM_BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)
 # /health answers from the scheduler's liveness of at most this long ago: a flood of
 # probes (unauthenticated) costs the scheduler one small call a second, whoever sends them.
 HEALTH_CACHE_S = 1.0
@@ -318,13 +322,20 @@ class ClusterBackend:
         """Tell the (restarted) scheduler which requests this router still waits on; the
         ones it does not know are retried."""
         ids = tuple(aid for aid, lv in self._live.items() if lv.is_accepted)
-        try:
-            raw = await self._rpc(self._sched.claim.remote(encode(Claim(self.router_id, ids))),
-                                  CLAIM_TIMEOUT_S)
-            unknown = decode(raw, ClaimAnswer).unknown_req_ids
-        except (BackendError, MessageError) as e:
-            log.warning("could not claim %d requests: %s", len(ids), e)
-            return
+        unknown: tuple[str, ...] = ids
+        for pause in (*CLAIM_BACKOFF_S, None):
+            try:
+                raw = await self._rpc(
+                    self._sched.claim.remote(encode(Claim(self.router_id, ids))), CLAIM_TIMEOUT_S)
+                unknown = decode(raw, ClaimAnswer).unknown_req_ids
+                break
+            except (BackendError, MessageError) as e:
+                if pause is None:
+                    log.warning("could not claim %d requests (%s): retrying every one", len(ids), e)
+                    break
+                log.warning("could not claim %d requests (%s): trying again in %.2f s",
+                            len(ids), e, pause)
+                await asyncio.sleep(pause)
         for aid in unknown:
             lv = self._live.get(aid)
             if lv is not None:

@@ -61,6 +61,7 @@ class FakeScheduler:
         self.submitted: list[GenerationSpec] = []
         self.claims: list[Claim] = []
         self.unknown: tuple[str, ...] = ()
+        self.claim_failures = 0  # claims that fail before one gets through
         self.is_up = True
         self.notice_streams = 0
         self.num_submit_calls = 0
@@ -101,6 +102,9 @@ class FakeScheduler:
 
     async def _claim(self, raw: bytes) -> bytes:
         self.claims.append(decode(raw, Claim))
+        if self.claim_failures > 0:
+            self.claim_failures -= 1
+            raise _gone()
         return encode(ClaimAnswer(self.unknown))
 
     def crash(self) -> None:
@@ -295,5 +299,38 @@ def test_a_flood_of_health_probes_costs_the_scheduler_one_small_call(monkeypatch
         await asyncio.sleep(0.01)
         await backend.health()
         assert sched.num_health_calls == 2  # older than the bound: asked again
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("failures", [2, 99])
+def test_a_claim_that_fails_is_tried_again_then_its_requests_retried(monkeypatch,
+                                                                    failures: int) -> None:
+    """Issue 24 item 5: a claim that failed once was dropped, and a request the restarted
+    scheduler did not know waited out request_timeout_s (600 s). Now: tried again with
+    backoff; if every try fails, the requests it named are retried."""
+    import cluster.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "CLAIM_BACKOFF_S", (0.01, 0.01, 0.01))
+
+    async def go() -> None:
+        backend, sched, dec = make_backend()
+        stream = backend.generate(spec("a"))
+        first = asyncio.get_running_loop().create_task(anext(stream))
+        await wait_for(lambda: len(sched.submitted) == 1)
+        dec.send("a", (7,))
+        await first
+        sched.unknown = ("a",)  # lost with the scheduler
+        sched.claim_failures = failures
+        sched.crash()
+        await asyncio.sleep(0.05)
+        sched.is_up = True
+        nxt = asyncio.get_running_loop().create_task(anext(stream))
+        await wait_for(lambda: len(sched.submitted) == 2)  # retried, well within 600 s
+        assert len(sched.claims) == min(failures + 1, 4)
+        assert sched.submitted[1].req_id == "a-r1"
+        dec.send("a-r1", (9,), "stop")
+        assert (await nxt).finish is not None
+        await stream.aclose()
 
     asyncio.run(go())
