@@ -328,3 +328,11 @@ def test_the_scheduler_actor_does_not_load_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_health_counts_the_live_workers_of_each_role() -> None:
+    gs, _ = make_scheduler({"d-a": 64, "d-b": 64})
+    assert gs.health() == {"policy": "tierserve", "mode": gs.core.mode.value,
+                           "live_workers": {"prefill": 2, "decode": 2}}
+    gs.worker_failed("d-b")
+    assert gs.health()["live_workers"] == {"prefill": 2, "decode": 1}
