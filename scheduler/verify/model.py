@@ -3,12 +3,15 @@
 A :class:`World` is a serving cluster in miniature, decided by the objects that serve:
 one :class:`~scheduler.cluster_scheduler.ClusterScheduler` (the global scheduler actor's
 object, in ``PoolMode.AGGREGATED``: each of ``num_workers`` workers prefills and decodes)
-and one :class:`~scheduler.step_planner.WorkerScheduler` per worker, all on one scheduling
-policy (``scheduler.policies.make_policy`` or an injected one). Every decision is theirs;
-the world only does what the actor and the workers do with the plans: it answers
-dispatches (the blocks reserved in a :class:`KVBlockAccount`, the prompt's cached prefix
-pinned in a :class:`PrefixIndex`), runs each worker's step plan (evicts its victims,
-swaps in, allocates blocks for chunks and growth, commits), and reports what happened as
+and one :class:`~scheduler.worker_core.DecodeCore` per worker (the live decode worker's:
+its request table and stages, its :class:`~scheduler.step_planner.WorkerScheduler`, what
+a preemption comes to, who ends), over its own copy of each request, all on one
+scheduling policy (``scheduler.policies.make_policy`` or an injected one). Every decision
+is theirs; the world only does what the actor and the workers' engines do with them: it
+answers dispatches (the blocks reserved in a :class:`KVBlockAccount`, the prompt's cached
+prefix pinned in a :class:`PrefixIndex`), runs each worker's step plan (releases its
+victims' blocks, swaps in, allocates blocks for chunks and growth, commits), and reports
+what happened as
 typed :class:`~scheduler.messages.WorkerReport` s (events, free blocks, running requests,
 prefix-cache events). Events, on a clock of ``dt_s`` per tick:
 
@@ -54,7 +57,6 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler import worker_core as wc
 from scheduler.cluster_scheduler import (
     ClusterScheduler,
     DispatchOrder,
@@ -91,7 +93,7 @@ from scheduler.tiers import TierConfig
 from scheduler.topology import WorkerInfo, WorkerRole
 from scheduler.verify.scope import Scope, Shape, scope_tiers
 from scheduler.verify.snapshot import fingerprint, state_copy
-from scheduler.worker_core import DecodeCore, StepResult
+from scheduler.worker_core import DecodeCore, StepResult, eviction_order
 
 PolicyFactory = Callable[[PolicyContext], SchedulingPolicy]
 AccountFactory = Callable[[str, int], KVBlockAccount]
@@ -629,7 +631,7 @@ class World:
             return
         req = lr.req
         n = self.accounts[w].release(rid)
-        core.evicted(rid, wc.eviction_order(mode, False)[0], for_req, now, num_blocks=n,
+        core.evicted(rid, eviction_order(mode, False)[0], for_req, now, num_blocks=n,
                      num_freed=n)
         if mode is PreemptMode.SWAP:
             lr.num_blocks = n
