@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.aio import wait_event
+from engine.aio import Reporter, step_loop, wait_event
 from engine.ports import EnginePort
 from engine.service import EngineThread, block_events, prefill_output, sampling_params
 from kvtransfer.ports import KVSender
@@ -61,13 +61,13 @@ class PrefillWorker:
         self.worker_id = info.worker_id
         self.engine = engine
         self.producer = producer
-        self._report_fn = report
         self._notify = notify_decode
         self.control_interval_s = control_interval_s
         self.core = PrefillCore(info.worker_id,
                                 WorkerScheduler.with_limits(info, policy, costs, limits))
         self._thread = EngineThread(f"prefill-{info.worker_id}")
-        self._report_task: asyncio.Task[None] | None = None
+        self._reporter = Reporter(f"prefill worker {info.worker_id}", self._build_report,
+                                  report, self.core.delivered)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._notify_tasks: set[asyncio.Task[None]] = set()
@@ -79,7 +79,12 @@ class PrefillWorker:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._step_loop()), loop.create_task(self._report_loop())]
+        self._tasks = [loop.create_task(step_loop(
+            f"prefill worker {self.worker_id}", self._wake, self._turn,
+            lambda: None if self.core.planner.has_work()
+            else 0.005 if self.core.is_sending() else 0.25,
+            self._give_up, max_failures=MAX_STEP_FAILURES)),
+            loop.create_task(self._report_loop())]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -140,30 +145,16 @@ class PrefillWorker:
 
     # -- loops ---------------------------------------------------------------------------
 
-    async def _step_loop(self) -> None:
-        failures = 0
-        while True:
-            if not self.core.planner.has_work():
-                await wait_event(self._wake, 0.005 if self.core.is_sending() else 0.25)
-            self._wake.clear()
-            self._stepping = []
-            try:
-                if self.core.planner.has_work():
-                    await self._step()
-                await self._tend_transfers()
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep serving the other requests
-                failures += 1
-                log.exception("prefill worker %s: step failed (%d in a row)", self.worker_id,
-                              failures)
-                if failures >= MAX_STEP_FAILURES:  # a bound, never a retry forever
-                    failures = 0
-                    for rid in self._stepping:
-                        await self._fail(rid, "step_failed: the prefill worker's step failed "
-                                         f"{MAX_STEP_FAILURES} times")
-                await asyncio.sleep(0.05)
+    async def _turn(self) -> None:
+        self._stepping = []
+        if self.core.planner.has_work():
+            await self._step()
+        await self._tend_transfers()
+
+    async def _give_up(self, n: int) -> None:
+        """The step failed ``n`` times in a row: its requests end (an error each)."""
+        for rid in self._stepping:
+            await self._fail(rid, f"step_failed: the prefill worker's step failed {n} times")
 
     async def _fail(self, req_id: str, error: str) -> None:
         """End ``req_id`` here and tell its decode worker why (it tells the client)."""
@@ -200,7 +191,7 @@ class PrefillWorker:
         for dwid, items in out.firsts.items():
             self._spawn_send(dwid, PrefilledBatch(tuple(items)))
         if core.events:
-            self._report_soon()
+            self._reporter.soon()
 
     def _run(self, chunks: list[tuple[str, int]], protect: frozenset[int] | None = None
              ) -> tuple[list[Any], list[str], dict[str, int], dict[str, int], list[BlockEvent]]:
@@ -242,29 +233,17 @@ class PrefillWorker:
 
     # -- reports -------------------------------------------------------------------------
 
-    def _report_soon(self) -> None:
-        if self._report_task is None or self._report_task.done():
-            self._report_task = asyncio.get_running_loop().create_task(self._send_report())
-
-    async def _send_report(self) -> None:
+    def _build_report(self) -> WorkerReport:
         self.producer.drain_stats()
-        rep = self.core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
-                               KVMemoryReport(0, 0, 0, self.engine.num_prefix_query_blocks,
-                                              self.engine.num_prefix_hit_blocks))
-        try:
-            delivered = await self._report_fn(rep) is not False
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the scheduler may be restarting: report next time
-            log.exception("prefill worker %s: report failed", self.worker_id)
-            delivered = False
-        self.core.delivered(rep, delivered)
+        return self.core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
+                                KVMemoryReport(0, 0, 0, self.engine.num_prefix_query_blocks,
+                                               self.engine.num_prefix_hit_blocks))
 
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.control_interval_s)
-            if self._report_task is not None and not self._report_task.done():
+            if self._reporter.busy:
                 continue
             self.core.block_events.extend(block_events(
                 await self._thread.call(self.engine.drain_events)))
-            self._report_soon()
+            self._reporter.soon()
