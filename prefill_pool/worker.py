@@ -26,10 +26,15 @@ from typing import Any
 
 from engine.aio import Reporter, step_loop, wait_event
 from engine.ports import EnginePort
-from engine.service import EngineThread, block_events, prefill_output, sampling_params
+from engine.service import (
+    EngineThread,
+    block_events,
+    prefill_output,
+    run_step,
+    sampling_params,
+)
 from kvtransfer.ports import KVSender
 from scheduler.messages import (
-    BlockEvent,
     HeldRequest,
     KVMemoryReport,
     PrefilledBatch,
@@ -178,8 +183,8 @@ class PrefillWorker:
         self._stepping = [rid for rid, _ in plan.chunks]
         core.began(plan, time.time())
         t0 = time.perf_counter()
-        outs, refused, blocks, computed, events = await self._thread.call(
-            self._run, list(plan.chunks), core.protect())
+        outs, refused, blocks, computed, _, events = await self._thread.call(
+            run_step, self.engine, [], list(plan.chunks), core.protect())
         seconds = time.perf_counter() - t0
         core.block_events.extend(events)
         out = core.step_ran(plan, now, seconds=seconds, outputs=map(prefill_output, outs),
@@ -192,21 +197,6 @@ class PrefillWorker:
             self._spawn_send(dwid, PrefilledBatch(tuple(items)))
         if core.events:
             self._reporter.soon()
-
-    def _run(self, chunks: list[tuple[str, int]], protect: frozenset[int] | None = None
-             ) -> tuple[list[Any], list[str], dict[str, int], dict[str, int], list[BlockEvent]]:
-        """On the engine thread: the step, then each chunk's request as the planner tracks
-        it (its blocks and its tokens with KV)."""
-        if protect is not None:
-            self.engine.protect_prefixes(protect)
-        outs, refused = self.engine.run_plan([], chunks)
-        blocks: dict[str, int] = {}
-        computed: dict[str, int] = {}
-        for rid, _ in chunks:
-            if self.engine.request_state(rid) is not None:
-                blocks[rid] = len(self.engine.block_ids(rid))
-                computed[rid] = self.engine.num_computed_tokens(rid)
-        return outs, refused, blocks, computed, block_events(self.engine.drain_events())
 
     async def _send(self, decode_worker_id: str, batch: PrefilledBatch) -> None:
         try:
