@@ -12,7 +12,10 @@ step costs from ``scheduler.step_costs.GPU_PRIOR``):
 - placement: ``ClusterScheduler.submit`` + ``plan`` for one arrival (admission, prefix
   match over a :class:`PrefixMirror` filled from the Mooncake trace, prefill and decode
   placement over 8 prefill and 16 decode workers in 4 NVLink domains on 2 nodes, the
-  dispatch order); the dispatch is then answered and the request closed (not timed).
+  dispatch order); the dispatch is then answered and the request closed, and its blocks
+  come back as the decode worker's next report would say (not timed). The KV-full variant
+  starts every decode worker with a few free blocks and gives none back, so nearly every
+  arrival takes the no-room path (claims, the preemption check) instead.
 
 Writes ``{"step": {"p50_us", "p99_us", ...}, "placement": {...}}`` with
 ``--json``; ``--profile`` prints where the step's time goes (cProfile).
@@ -162,7 +165,7 @@ def _block_hashes(hash_ids: tuple[int, ...], prompt_len: int, bs: int) -> tuple[
 
 
 def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
-                    placements: int, seed: int) -> dict[str, float]:
+                    placements: int, seed: int, kv_full: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
     bs = ctx.block_size
     reqs = read_mooncake(trace, seed=seed)
@@ -175,12 +178,15 @@ def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
         cs.add_worker(w, 50_000, can_prefill=True, can_decode=False)
     for w in decode:
         cs.add_worker(w, rng.randint(1_000, 50_000), can_prefill=False, can_decode=True)
+        if kv_full:
+            cs.workers[w.worker_id].num_free_blocks = 8
     warm = len(reqs) // 2
     for k, tr in enumerate(reqs[:warm]):
         w = prefill[k % len(prefill)]
         cs.mirror.apply(w.worker_id, BlockStored(list(_block_hashes(tr.hashes, tr.prompt_len,
                                                                      bs)), None))
     probes = reqs[warm:]
+    placed = 0
     times: list[float] = []
     cpu: list[float] = []
     now = 1000.0
@@ -196,11 +202,16 @@ def bench_placement(policy_name: str, ctx: PolicyContext, *, trace: str,
         plan = cs.plan(now)
         times.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
-        for d in plan.dispatches:  # untimed: answer it, then end it
+        placed += len(plan.dispatches)
+        for d in plan.dispatches:  # untimed: answer it, end it, its blocks come back
             cs.on_dispatch_result(d.req_id, True, now)
         cs.abort(nr.req_id, now)
+        if not kv_full:
+            for d in plan.dispatches:
+                cs.workers[d.decode_worker_id].num_free_blocks += d.num_blocks
         now += 0.01
-    return _percentiles(times, cpu)
+    # How many arrivals were dispatched at once: the path the figures measured.
+    return _percentiles(times, cpu) | {"placed": placed}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,22 +237,28 @@ def run(args: argparse.Namespace) -> int:
     pressure = bench_step(args.policy, ctx, free_blocks=8, profile=prof_pressure, **common)
     place = bench_placement(args.policy, ctx, trace=args.trace, placements=args.placements,
                             seed=args.seed)
+    place_full = bench_placement(args.policy, ctx, trace=args.trace,
+                                 placements=args.placements, seed=args.seed, kv_full=True)
     out = {"policy": args.policy, "running": args.running, "waiting": args.waiting,
            "free_blocks": args.free_blocks, "max_age_s": args.max_age,
-           "step": step, "step_kv_pressure": pressure, "placement": place}
+           "step": step, "step_kv_pressure": pressure, "placement": place,
+           "placement_kv_full": place_full}
     print(f"policy {args.policy}: {args.running} running, {args.waiting} waiting "
           f"(ages up to {args.max_age}s)")
-    for name, r in (("step", step), ("step (KV pressure)", pressure), ("placement", place)):
+    for name, r in (("step", step), ("step (KV pressure)", pressure), ("placement", place),
+                    ("placement (KV full)", place_full)):
         print(f"  {name:18s} p50 {r['p50_us']:9.1f} us  p99 {r['p99_us']:9.1f} us  "
               f"max {r['max_us']:9.1f} us  | cpu p50 {r['cpu_p50_us']:9.1f} us  "
-              f"p99 {r['cpu_p99_us']:9.1f} us  (n={r['n']})")
+              f"p99 {r['cpu_p99_us']:9.1f} us  (n={r['n']}"
+              + (f", placed {r['placed']})" if "placed" in r else ")"))
     def verdict(p50: float, p99: float) -> str:
         return "met" if p50 <= 100 and p99 <= 1000 else "NOT met"
 
-    print(f"  targets (step p50 <= 100 us, p99 <= 1000 us): wall "
-          f"{verdict(step['p50_us'], step['p99_us'])}, cpu "
-          f"{verdict(step['cpu_p50_us'], step['cpu_p99_us'])} (wall includes time the "
-          f"process was descheduled on a shared machine)")
+    for name, r in (("step", step), ("placement", place)):
+        print(f"  {name} target (p50 <= 100 us, p99 <= 1000 us): wall "
+              f"{verdict(r['p50_us'], r['p99_us'])}, cpu "
+              f"{verdict(r['cpu_p50_us'], r['cpu_p99_us'])}")
+    print("  (wall includes time the process was descheduled on a shared machine)")
     for title, pr in (("step", prof), ("step (KV pressure)", prof_pressure)):
         if pr is not None:
             buf = io.StringIO()

@@ -33,10 +33,14 @@ def test_bench_writes_percentiles(tmp_path: Path) -> None:
                          "--placements", "30", "--trace", _trace(tmp_path), "--json", str(out)))
     assert rc == 0
     d = json.loads(out.read_text())
-    for part in ("step", "step_kv_pressure", "placement"):
+    for part in ("step", "step_kv_pressure", "placement", "placement_kv_full"):
         r = d[part]
         assert r["n"] == 30
         assert 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"]
+    # With the blocks of each closed request back, nearly every arrival is placed at once; with
+    # the decode workers full, none is (the no-room path is what that variant measures).
+    assert d["placement"]["placed"] >= 27  # the odd one may wait for its prefill horizon
+    assert d["placement_kv_full"]["placed"] == 0
 
 
 def test_bench_with_a_peer_policy_and_bad_input(tmp_path: Path) -> None:
