@@ -688,6 +688,9 @@ class WorkerReport:
     incarnation: str = ""
     # Swap space, prefix cache and measured KV moves (decode and prefill workers).
     memory: KVMemoryReport | None = None
+    # Seconds this process has spent running steps (a counter: its rate over a window is
+    # how busy the worker was, what the SLO planner sizes the pools by).
+    step_seconds: float = 0.0
 
 
 # -- healing ------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class PrefillCore:
         self.block_events: list[BlockEvent] = []
         self._protected: frozenset[int] = frozenset()
         self.num_steps = 0
+        self.step_seconds = 0.0  # in steps since the process started (WorkerReport)
         self.plan_was_empty = False
 
     def _move(self, job: Job, to: PrefillStage, why: str, now: float) -> None:
@@ -179,6 +180,7 @@ class PrefillCore:
                  computed: dict[str, int], t: float) -> StepOutcome:
         """The engine ran ``plan``; ``t``: when its outputs are out."""
         outputs = list(outputs)
+        self.step_seconds += seconds or 0.0
         if any(o.error is not None for o in outputs):
             seconds = None  # the step ran twice (batched, then one by one): not a cost sample
         # The blocks too: a started prompt holds all of its blocks, and a planner that is
@@ -238,7 +240,7 @@ class PrefillCore:
                             tuple(self.events), tuple(self.block_events), (), running,
                             self.planner.costs.to_tuple(), self.num_steps,
                             is_busy=self.planner.has_work() and not self.plan_was_empty,
-                            memory=memory)
+                            memory=memory, step_seconds=self.step_seconds)
 
     def delivered(self, rep: WorkerReport, ok: bool) -> None:
         """The events stay until a report carried them: a PREFILL_DONE lost here would

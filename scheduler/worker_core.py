@@ -275,6 +275,7 @@ class DecodeCore:
         self._moved_to: dict[str, str] = {}  # migrated away -> its target (link samples)
         self._protected: frozenset[int] = frozenset()
         self.num_steps = 0
+        self.step_seconds = 0.0  # in steps since the process started (WorkerReport)
         # The last plan had nothing to run (waiting for room or a transfer): steps are not
         # due, so a still step count is no stall (WorkerReport.is_busy).
         self.plan_was_empty = False
@@ -710,6 +711,7 @@ class DecodeCore:
         done = set(self.planner.commit(plan, now, seconds=seconds, refused=refused,
                                        blocks=blocks, computed=computed))
         self.num_steps += 1
+        self.step_seconds += max(ended - began, 0.0)
         if shared:
             self._shared.update(shared)
         self.outputs(results, done, ended)
@@ -836,7 +838,8 @@ class DecodeCore:
                             tuple(self.events), tuple(self.block_events), tuple(self.transfers),
                             self.running(), self.planner.costs.to_tuple(), self.num_steps,
                             is_busy=self.planner.has_work() and not self.plan_was_empty,
-                            memory=self.ledger.report(counters))
+                            memory=self.ledger.report(counters),
+                            step_seconds=self.step_seconds)
 
     def delivered(self, rep: WorkerReport, ok: bool) -> None:
         """What a report carried goes once delivered (what came meanwhile stays either

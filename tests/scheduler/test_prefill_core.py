@@ -3,6 +3,8 @@ token out to its decode worker, its blocks released once its KV is sent. No engi
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.messages import GenerationSpec, SamplingSpec, TokenDelta, WorkerEvent
 from scheduler.policies import make_policy
 from scheduler.policy import PolicyContext
@@ -55,7 +57,8 @@ def test_a_prompt_is_prefilled_in_chunks_and_its_first_token_goes_to_its_decode_
     (ev,) = core.events
     assert (ev.event, ev.received, ev.started) == (WorkerEvent.PREFILL_DONE, 1.0, 1.01)
     assert core.jobs["a"].stage is PrefillStage.SENDING and "a" not in core.planner.local
-    assert core.report(10, 16, None).running == ()  # type: ignore[arg-type]
+    rep = core.report(10, 16, None)  # type: ignore[arg-type]
+    assert rep.running == () and rep.step_seconds == pytest.approx(0.08)
     core.end("a", "sent", 1.2)
     assert core.jobs == {}
 

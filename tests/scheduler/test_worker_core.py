@@ -158,6 +158,8 @@ def test_a_local_prefill_decodes_after_its_last_chunk() -> None:
                   results=[StepResult("a", TokenDelta("a", (3,), "stop"), "stop", True)])
     assert "a" not in core.entries and "a" not in core.planner.local
     assert kinds(core, "a") == [E.PREFILL_DONE, E.FINISHED_STOP]
+    # The two steps' time, counted for the planner's busy fraction.
+    assert core.step_seconds == pytest.approx(0.07)
 
 
 def test_a_step_that_failed_on_one_request_ends_it_alone() -> None:
