@@ -115,12 +115,12 @@ def launch_workers(cfg: ClusterConfig, *, suffix: str = "", namespace: str | Non
     sname = scheduler_actor_name(suffix)
     expected = [worker_actor_name("prefill", i) + suffix for i in range(cfg.pools.num_prefill)]
     expected += [worker_actor_name("decode", i) + suffix for i in range(cfg.pools.num_decode)]
+    # Keys only where they are checked: the scheduler and the workers get none.
+    cfg_dict = cfg.without_keys().to_dict()
     sched = scheduler_actor().options(name=sname, namespace=namespace,
                                       num_cpus=SCHEDULER_NUM_CPUS, max_restarts=-1,
-                                      max_concurrency=1000, **life).remote(cfg.to_dict(),
-                                                                           expected)
+                                      max_concurrency=1000, **life).remote(cfg_dict, expected)
     h = ClusterHandles(namespace, sname, sched)
-    cfg_dict = cfg.to_dict()
     for i in range(cfg.pools.num_prefill):
         wid = worker_actor_name("prefill", i) + suffix
         opts = _worker_options(cfg, "prefill", i, namespace, have,

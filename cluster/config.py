@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from router.key_digests import KeyDigest, hash_keys, new_salt, parse_key_lines
 from scheduler.tiers import (
     ConfigError,
     ShareMode,
@@ -46,6 +47,7 @@ __all__ = [
     "TopologyConfig",
     "TracingConfig",
     "WorkerPlacement",
+    "check_key_files",
     "load_config",
     "parse_overrides",
     "read_environment",
@@ -259,6 +261,10 @@ class RouterConfig(_Frozen):
     # /metrics answers without a key even when keys are required (a Prometheus scraper
     # inside the cluster); off: /metrics needs a key like every endpoint but /health.
     open_metrics: bool = False
+    # How often the router re-reads the tenants' api_keys_file (key rotation without a
+    # restart). A Kubernetes Secret reaches a mounted file within about a minute of an
+    # update (the kubelet's sync period), then within this of that here.
+    key_reload_interval_s: float = Field(10.0, gt=0)
 
     @property
     def is_loopback(self) -> bool:
@@ -271,19 +277,84 @@ class RouterConfig(_Frozen):
 
 
 class TenantConfig(_Frozen):
+    """A caller and its tier. Keys are never printed (not in a repr, an error or a log
+    line) and never kept: ``api_keys`` given here are turned into keyed digests when the
+    tree is built (router/key_digests.py), so every copy of the tree holds digests."""
+
     name: str = Field(min_length=1)
-    # Keys are never printed: not in a repr, not in an error message, not in a log line.
-    api_keys: tuple[str, ...] = Field((), repr=False)
-    # More keys, read when the configuration is loaded (load_config) and added to
-    # api_keys: a file with one key per line ('#' comments), and an environment variable
-    # holding keys separated by commas or white space (a Kubernetes Secret, say).
+    # Digests of the tenant's keys, ``hmac-sha256$<salt>$<digest>``: what ``api_keys``
+    # (listed, or read from ``api_keys_env`` by load_config) become. A digest may also be
+    # written here directly, to keep a key out of a configuration file.
+    api_key_digests: tuple[str, ...] = Field((), repr=False)
+    # A file with one key per line ('#' comments), read by the router alone, at start and
+    # again whenever it changes (router.key_reload_interval_s): rotation without a restart.
     api_keys_file: str | None = None
+    # An environment variable holding keys separated by commas or white space, read
+    # when the configuration is loaded (load_config); rotating them needs a restart.
     api_keys_env: str | None = None
     tier: int = Field(1, ge=0)
     may_override_tier: bool = False
     # The most urgent tier the tenant may choose (smaller is more urgent); unset: its own
     # tier, so an override can only lower its priority.
     max_tier_override: int | None = Field(None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_listed_keys(cls, data: Any) -> Any:
+        # A tenant built alone; inside a ClusterConfig, _hash_tenant_keys got there first.
+        if isinstance(data, Mapping) and "api_keys" in data:
+            data = _hash_tenant_keys({"tenants": [data]})["tenants"][0]
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> TenantConfig:
+        for i, d in enumerate(self.api_key_digests):
+            try:
+                KeyDigest.parse(d)
+            except ValueError as e:
+                raise ValueError(f"api_key_digests[{i}]: {e}") from None
+        return self
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key_digests) or self.api_keys_file is not None
+
+    def accepts(self, key: str) -> bool:
+        """Whether ``key`` is one of the tenant's listed (hashed) keys."""
+        return any(KeyDigest.parse(d).matches(key) for d in self.api_key_digests)
+
+
+def _hash_tenant_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The tree with each tenant's plain ``api_keys`` replaced by keyed digests under one
+    fresh salt, after refusing empty keys and a key given to two tenants (errors name
+    the tenant, never the key)."""
+    tree = dict(data)
+    tenants = tree.get("tenants")
+    if not isinstance(tenants, (list, tuple)):
+        return tree
+    salt = new_salt()
+    seen: dict[str, str] = {}
+    out: list[Any] = []
+    for i, t in enumerate(tenants):
+        if not isinstance(t, Mapping) or "api_keys" not in t:
+            out.append(t)
+            continue
+        t = dict(t)
+        keys = t.pop("api_keys") or ()
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise ValueError(f"tenants[{i}].api_keys: expected a list of strings")
+        for key in keys:
+            if not key:
+                raise ValueError(f"tenants[{i}].api_keys: an empty key is not allowed")
+            if key in seen:
+                raise ValueError(f"tenants[{i}].api_keys: key already belongs to tenant "
+                                 f"{seen[key]!r}")
+            seen[key] = str(t.get("name"))
+        t["api_key_digests"] = (*(t.get("api_key_digests") or ()),
+                                *(d.text() for d in hash_keys(keys, salt)))
+        out.append(t)
+    tree["tenants"] = out
+    return tree
 
 
 DEFAULT_TRACE_FILE = "tierserve-traces.jsonl"
@@ -322,6 +393,14 @@ class ClusterConfig(_Frozen):
     tracing: TracingConfig = TracingConfig()
     # Ray address to join ("auto", "ray://...", host:port); None starts a local instance.
     ray_address: str | None = None
+    # Set only on the copy sent to the scheduler and the workers (without_keys): its
+    # tenants carry no key material, and the access check was made where keys are.
+    keys_withheld: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_keys(cls, data: Any) -> Any:
+        return _hash_tenant_keys(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -336,20 +415,17 @@ class ClusterConfig(_Frozen):
             if t.max_tier_override is not None and t.max_tier_override >= num_tiers:
                 raise ValueError(f"tenants[{i}].max_tier_override: {t.max_tier_override} but "
                                  f"only {num_tiers} tiers exist")
-            for source in ("api_keys_file", "api_keys_env"):
-                if getattr(t, source) is not None:
-                    raise ValueError(f"tenants[{i}].{source}: not read; load the configuration "
-                                     "with load_config (tierserve serve, the Serve app builder)")
-            for key in t.api_keys:
-                if not key:
-                    raise ValueError(f"tenants[{i}].api_keys: an empty key is not allowed")
-                if key in seen:
-                    raise ValueError(
-                        f"tenants[{i}].api_keys: key already belongs to tenant {seen[key]!r}"
-                    )
-                seen[key] = t.name
+            if t.api_keys_env is not None:
+                raise ValueError(f"tenants[{i}].api_keys_env: not read; load the configuration "
+                                 "with load_config (tierserve serve, the Serve app builder)")
+            if self.keys_withheld and t.api_key_digests:
+                raise ValueError(f"tenants[{i}].api_key_digests: a tree with keys_withheld "
+                                 "carries no key material")
+            if t.name in seen:
+                raise ValueError(f"tenants[{i}].name: {t.name!r} is tenants[{seen[t.name]}]'s")
+            seen[t.name] = str(i)
         if not self.requires_api_key and not self.router.is_loopback \
-                and not self.router.allow_open_access:
+                and not self.router.allow_open_access and not self.keys_withheld:
             raise ValueError(f"router.host: {self.router.host} is not a loopback address and no "
                              "tenant has an API key: anyone who reaches it could use the "
                              "server. Give tenants api_keys (or api_keys_file / api_keys_env), "
@@ -391,17 +467,25 @@ class ClusterConfig(_Frozen):
     @property
     def requires_api_key(self) -> bool:
         """Open access until any key is configured (DESIGN: keys required once configured)."""
-        return any(t.api_keys for t in self.tenants)
+        return any(t.has_keys for t in self.tenants)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON/msgpack types, for shipping to actors."""
+        """Plain JSON/msgpack types, for shipping to actors. Holds key digests and key file
+        paths, never a key: send it whole only to the router (see without_keys)."""
         return self.model_dump(mode="json")
+
+    def without_keys(self) -> ClusterConfig:
+        """The tree for processes that check no key (the scheduler, every worker): no
+        digest and no key file, only the tenants' names and tiers."""
+        tenants = tuple(t.model_copy(update={"api_key_digests": (), "api_keys_file": None})
+                        for t in self.tenants)
+        return self.model_copy(update={"tenants": tenants, "keys_withheld": True})
 
     def access_summary(self) -> str:
         """One line for the start banner: how access works on this server."""
         host = self.router.host
         if self.requires_api_key:
-            n = sum(1 for t in self.tenants if t.api_keys)
+            n = sum(1 for t in self.tenants if t.has_keys)
             metrics = "; /metrics open" if self.router.open_metrics else ""
             return (f"access: an API key is required on every endpoint but /health "
                     f"({n} tenant{'s' if n != 1 else ''} with keys){metrics}")
@@ -518,39 +602,45 @@ def load_config(
     for key, value in (direct or {}).items():
         if value is not None:
             _apply(tree, tuple(key.split(".")), value)
+    if tree.get("keys_withheld"):
+        raise ConfigError("keys_withheld: set only on the copy of the tree tierserve sends to "
+                          "its scheduler and workers, not in a configuration")
     _read_key_sources(tree, environ_map)
     return ClusterConfig.from_dict(tree).resolve_presets()
 
 
 def _read_key_sources(tree: dict[str, Any], environ: Mapping[str, str]) -> None:
-    """Add each tenant's keys from its ``api_keys_file`` and ``api_keys_env`` to its
-    ``api_keys`` (the sources are then dropped: the tree that ships holds the keys).
-    Errors name the field, never a key."""
+    """Add each tenant's keys from its ``api_keys_env`` to its ``api_keys`` (the variable
+    is then dropped; the keys become digests when the tree is built). ``api_keys_file``
+    stays a path: the router reads it (router/key_files.py). Errors name the field,
+    never a key."""
     tenants = tree.get("tenants")
     if not isinstance(tenants, list):
         return
     for i, t in enumerate(tenants):
         if not isinstance(t, dict):
             continue
-        keys = list(t.get("api_keys") or [])
-        path = t.pop("api_keys_file", None)
-        if path is not None:
-            try:
-                text = Path(str(path)).read_text()
-            except OSError as e:
-                raise ConfigError(f"tenants[{i}].api_keys_file: cannot read {path} "
-                                  f"({e.strerror})") from None
-            file_keys = [ln.strip() for ln in text.splitlines()
-                         if ln.strip() and not ln.lstrip().startswith("#")]
-            if not file_keys:
-                raise ConfigError(f"tenants[{i}].api_keys_file: {path} holds no key")
-            keys += file_keys
         var = t.pop("api_keys_env", None)
-        if var is not None:
-            value = environ.get(str(var), "")
-            env_keys = value.replace(",", " ").split()
-            if not env_keys:
-                raise ConfigError(f"tenants[{i}].api_keys_env: ${var} is not set or is empty")
-            keys += env_keys
-        if keys:
-            t["api_keys"] = keys
+        if var is None:
+            continue
+        env_keys = environ.get(str(var), "").replace(",", " ").split()
+        if not env_keys:
+            raise ConfigError(f"tenants[{i}].api_keys_env: ${var} is not set or is empty")
+        t["api_keys"] = [*(t.get("api_keys") or []), *env_keys]
+
+
+def check_key_files(cfg: ClusterConfig) -> None:
+    """Read every tenant's ``api_keys_file`` once, for a clear error before serving where
+    the router will run on this machine (``tierserve serve``); the router reads them
+    itself. ConfigError naming the field and the file, never a key."""
+    for i, t in enumerate(cfg.tenants):
+        if t.api_keys_file is None:
+            continue
+        try:
+            text = Path(t.api_keys_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise ConfigError(f"tenants[{i}].api_keys_file: cannot read {t.api_keys_file} "
+                              f"({why})") from None
+        if not parse_key_lines(text):
+            raise ConfigError(f"tenants[{i}].api_keys_file: {t.api_keys_file} holds no key")

@@ -12,17 +12,33 @@ replacement fails to bind the port until then (measured: 65 to 70 s without an
 endpoint). :func:`_reuse_port_for_direct_ingress` has the replica's server set the
 socket options Serve already has for this (SO_REUSEADDR, and SO_REUSEPORT with it),
 so a replacement serves the same port as soon as it has started (about 10 s).
+
+Keys: the replica gets the tree with key digests and key file paths only
+(``cluster/config.py``); it reads the key files itself at start (a bad one stops it
+with the file named) and re-reads them every ``router.key_reload_interval_s``
+(``router/key_files.py``), so a rotated Secret takes effect without a restart. Where a
+node carries the custom resource ``tierserve_router`` (the Helm chart's head, the only
+pod with the key Secret mounted), the replica is placed there.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
+from cluster.topology import role_resource
 from router.app import RouterSettings, build_app
+from router.key_digests import KeyDigest
+from router.key_files import KeyFileWatcher
 from router.tenants import TenantDirectory, TenantEntry
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
+
+ROUTER_RESOURCE = role_resource("router")
+PIN_AMOUNT = 0.001  # a marker, never the limit
 
 
 def _reuse_port_for_direct_ingress() -> None:
@@ -56,6 +72,16 @@ class RouterIngress:
 
         _reuse_port_for_direct_ingress()  # before Serve starts this replica's server
         self._cfg = ClusterConfig.from_dict(cfg)
+        if self._cfg.keys_withheld:
+            raise ValueError("the router needs the configuration with its tenants' keys, "
+                             "got the scheduler's and workers' copy (keys_withheld)")
+        self._tenants = tenant_directory(self._cfg)
+        self._key_watch: asyncio.Task[None] | None = None
+        if self._tenants.key_files:
+            watcher = KeyFileWatcher(self._tenants)
+            await asyncio.to_thread(watcher.load)  # a bad file: this replica does not start
+            self._key_watch = asyncio.get_running_loop().create_task(
+                watcher.run(self._cfg.router.key_reload_interval_s))
         rc = self._cfg.router
         sched = await asyncio.to_thread(ray.get_actor, scheduler_name, namespace=namespace)
         handles = {}
@@ -74,20 +100,29 @@ class RouterIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         rc = self._cfg.router
-        tenants = TenantDirectory(
-            [TenantEntry(t.name, t.api_keys, t.tier, t.may_override_tier, t.max_tier_override)
-             for t in self._cfg.tenants],
-            self._cfg.tier_config.num_tiers)
         settings = RouterSettings(max_tokens_limit=rc.max_tokens_limit,
                                   default_max_tokens=rc.default_max_tokens,
                                   max_sequences_per_request=rc.max_sequences_per_request,
                                   request_timeout_s=rc.request_timeout_s,
                                   max_body_bytes=rc.max_body_bytes,
                                   open_metrics=rc.open_metrics)
-        return build_app(self._backend, tenants=tenants, settings=settings)
+        return build_app(self._backend, tenants=self._tenants, settings=settings)
+
+
+def tenant_directory(cfg: ClusterConfig) -> TenantDirectory:
+    """The router's tenants from ``cfg`` (a ClusterConfig): digests and key file paths."""
+    return TenantDirectory(
+        [TenantEntry(t.name, tuple(KeyDigest.parse(d) for d in t.api_key_digests), t.tier,
+                     t.may_override_tier, t.max_tier_override, key_file=t.api_keys_file)
+         for t in cfg.tenants],
+        cfg.tier_config.num_tiers)
 
 
 def router_deployment(num_cpus: float = 0.25) -> Any:
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": num_cpus}
+    if ray.is_initialized() and ROUTER_RESOURCE in ray.cluster_resources():
+        options["resources"] = {ROUTER_RESOURCE: PIN_AMOUNT}
     return serve.deployment(RouterIngress, name="tierserve-router",
-                            ray_actor_options={"num_cpus": num_cpus},
-                            max_ongoing_requests=1000)
+                            ray_actor_options=options, max_ongoing_requests=1000)

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, check_key_files, load_config
 
 READY_TIMEOUT_S = 600.0
 
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             "router.port": args.port, "scheduling.policy": args.policy,
             "model.served_name": getattr(args, "served_model_name", None),
             "pools.num_prefill": args.num_prefill, "pools.num_decode": args.num_decode})
+        if not cfg.ray_address:  # the router runs here: its key files must be readable
+            check_key_files(cfg)
     except ConfigError as e:
         print(f"tierserve serve: configuration error: {e}", file=sys.stderr)
         return 2

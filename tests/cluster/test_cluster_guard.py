@@ -43,16 +43,22 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_path: Path, trace_file: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[Any]:
+def alpha_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keys = tmp_path_factory.mktemp("keys") / "alpha.txt"
+    keys.write_text(f"# alpha's keys\n{KEY_A}\n")
+    return keys
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_path: Path, trace_file: Path, alpha_keys: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import ray
 
     from cluster.app import deploy, init_ray
     from cluster.config import load_config
     from cluster.testing import free_port
 
-    keys = tmp_path_factory.mktemp("keys") / "alpha.txt"
-    keys.write_text(f"# alpha's keys\n{KEY_A}\n")
+    keys = alpha_keys
     config = tmp_path_factory.mktemp("cfg") / "cluster.yaml"
     config.write_text(json.dumps({"tenants": [
         {"name": "alpha", "tier": 1, "api_keys_file": str(keys)},
@@ -63,7 +69,7 @@ def cluster(tiny_path: Path, trace_file: Path, tmp_path_factory: pytest.TempPath
         f"router.port={free_port()}", "model.dtype=float32", "pools.num_prefill=1",
         "pools.num_decode=1", "pools.num_cpus_per_worker=0.25", "pools.num_kv_blocks=128",
         "pools.prefill_chunk_size=32", "router.rpc_timeout_s=10", "router.max_tokens_limit=16",
-        "router.max_body_bytes=1048576", "tracing.enabled=true",
+        "router.max_body_bytes=1048576", "tracing.enabled=true", "router.key_reload_interval_s=0.5",
         f"tracing.jsonl_path={trace_file}"], environ={"BETA_KEYS": f"{KEY_B}, sk-beta-2"})
     init_ray(None, num_cpus=4)
     running = deploy(cfg)
@@ -219,3 +225,19 @@ def test_keys_never_reach_a_log_or_a_trace(cluster: Any, trace_file: Path) -> No
         text = path.read_bytes()
         for key in (KEY_A, KEY_B, "sk-beta-2"):
             assert key.encode() not in text, path
+
+
+def test_a_rotated_key_file_takes_effect_while_serving(http: httpx.Client, alpha_keys: Path,
+                                                       cluster: Any) -> None:
+    """Last: alpha's key changes for good (issue 24 item 4, rotation without a restart)."""
+    from cluster.testing import wait_until
+
+    new_key = "sk-alpha-rotated-4b1e"
+    replaced = alpha_keys.with_suffix(".new")
+    replaced.write_text(f"{new_key}\n")
+    replaced.replace(alpha_keys)  # atomically, as the kubelet swaps a Secret's files
+    assert wait_until(lambda: http.get("/v1/models", headers=auth(new_key)).status_code == 200,
+                      30.0)
+    openai_error(http.get("/v1/models", headers=auth(KEY_A)), 401, "invalid_api_key")
+    assert complete(http, new_key).status_code == 200
+    assert http.get("/v1/models", headers=auth(KEY_B)).status_code == 200  # beta untouched

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig, ConfigError, load_config, parse_overrides
+from cluster.config import (
+    ClusterConfig,
+    ConfigError,
+    check_key_files,
+    load_config,
+    parse_overrides,
+)
 from cluster.topology import (
     TopologyClass,
     WorkerLocation,
@@ -74,7 +81,9 @@ def test_environment_is_read_in_one_place(tmp_path: Path) -> None:
         (["tenants=[{name: a, api_keys: [k], max_tier_override: 4}]"],
          "tenants[0].max_tier_override"),
         (["router.host=0.0.0.0"], "router.host"),
-        (["tenants=[{name: a, api_keys_file: /nonexistent/keys}]"], "tenants[0].api_keys_file"),
+        (["tenants=[{name: a, api_key_digests: [sha256$00$00]}]"], "tenants[0].api_key_digests"),
+        (["tenants=[{name: a, api_keys: [k]}, {name: a, tier: 2}]"], "tenants[1].name"),
+        (["keys_withheld=true"], "keys_withheld"),
         (["tenants=[{name: a, api_keys_env: NO_SUCH_VAR}]"], "tenants[0].api_keys_env"),
         (["router.max_body_bytes=10"], "router.max_body_bytes"),
     ],
@@ -146,8 +155,8 @@ def test_open_access_and_where_keys_come_from(tmp_path: Path) -> None:
     cfg = load_config(overrides=["router.host=0.0.0.0", "router.allow_open_access=true"],
                       environ={})
     assert not cfg.requires_api_key and cfg.access_summary().startswith("WARNING")
-    # Keys from a file and from the environment join the listed ones; the sources are read
-    # once (the tree that ships to the router holds the keys, not where they came from).
+    # Keys from the environment join the listed ones, as keyed digests: the loaded tree
+    # holds no key. A key file stays a path, read by the router alone (and re-read).
     keys = tmp_path / "keys"
     keys.write_text("# team a\nk-file-1\n\n  k-file-2  \n")
     cfg = load_config(overrides=[
@@ -156,13 +165,18 @@ def test_open_access_and_where_keys_come_from(tmp_path: Path) -> None:
         " {name: b, tier: 2, api_keys_env: B_KEYS, may_override_tier: true,"
         " max_tier_override: 1}]"], environ={"B_KEYS": "k-env-1, k-env-2 k-env-3"})
     a, b = cfg.tenants
-    assert a.api_keys == ("k-listed", "k-file-1", "k-file-2")
-    assert b.api_keys == ("k-env-1", "k-env-2", "k-env-3") and b.max_tier_override == 1
-    assert a.api_keys_file is None and b.api_keys_env is None
+    assert a.accepts("k-listed") and not a.accepts("k-env-1") and a.api_keys_file == str(keys)
+    assert all(b.accepts(k) for k in ("k-env-1", "k-env-2", "k-env-3")) and not b.accepts("k")
+    assert b.max_tier_override == 1 and b.api_keys_env is None
     assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
     assert "API key is required" in cfg.access_summary()
-    # No key is ever printed: not in a repr, not in an error.
-    assert "k-file-1" not in repr(cfg) and "k-env-1" not in repr(cfg)
+    shipped = json.dumps(cfg.to_dict())
+    for key in ("k-listed", "k-env-1", "k-file-1"):
+        assert key not in shipped and key not in repr(cfg)
+    check_key_files(cfg)
+    with pytest.raises(ConfigError, match=r"tenants\[0\].api_keys_file: cannot read"):
+        check_key_files(load_config(overrides=["tenants=[{name: a, api_keys_file: /no/keys}]"],
+                                    environ={}))
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["tenants=[{name: a, api_keys: [k1]}, {name: b, api_keys: [k1]}]"],
                     environ={})
@@ -170,3 +184,22 @@ def test_open_access_and_where_keys_come_from(tmp_path: Path) -> None:
     # A tree whose key sources were never read is refused, not served open.
     with pytest.raises(ConfigError, match="not read"):
         ClusterConfig.from_dict({"tenants": [{"name": "a", "api_keys_env": "B_KEYS"}]})
+
+
+def test_scheduler_and_workers_get_no_key_material() -> None:
+    # What cluster/app.py launch_workers sends the scheduler and every worker.
+    cfg = load_config(overrides=[
+        "router.host=0.0.0.0", "tenants=[{name: a, api_keys: [sk-a]}, "
+        "{name: b, tier: 2, api_keys_file: /run/keys/b}, {name: c, api_keys_env: C}]"],
+        environ={"C": "sk-c"})
+    shipped = cfg.without_keys().to_dict()
+    text = json.dumps(shipped)
+    assert "sk-a" not in text and "sk-c" not in text and "/run/keys" not in text
+    assert "hmac-sha256" not in text and "hmac-sha256" in json.dumps(cfg.to_dict())
+    worker_cfg = ClusterConfig.from_dict(shipped)  # what the actors rebuild
+    assert worker_cfg.keys_withheld and not worker_cfg.requires_api_key
+    assert [(t.name, t.tier) for t in worker_cfg.tenants] == [("a", 1), ("b", 2), ("c", 1)]
+    assert worker_cfg.pools == cfg.pools and worker_cfg.router == cfg.router
+    # A withheld tree never carries keys back in, and a configuration cannot claim to be one.
+    with pytest.raises(ConfigError, match="keys_withheld"):
+        ClusterConfig.from_dict({**shipped, "tenants": [{"name": "a", "api_keys": ["k"]}]})

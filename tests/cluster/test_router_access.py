@@ -18,9 +18,9 @@ from router.tenants import TenantDirectory, TenantEntry
 from .test_router_http import MODEL, ByteTokenizer, FakeBackend
 
 KEY_GOLD, KEY_FREE = "sk-gold-0123456789", "sk-free-9876543210"
-TENANTS = [TenantEntry("gold", (KEY_GOLD,), 0, False),
-           TenantEntry("free", (KEY_FREE,), 2, True),
-           TenantEntry("trusted", ("sk-trusted",), 2, True, max_tier_override=0)]
+TENANTS = [TenantEntry.with_keys("gold", (KEY_GOLD,), 0, False),
+           TenantEntry.with_keys("free", (KEY_FREE,), 2, True),
+           TenantEntry.with_keys("trusted", ("sk-trusted",), 2, True, max_tier_override=0)]
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 2}
 
 

@@ -210,7 +210,8 @@ def test_bad_input_gets_openai_error(payload: bytes, status: int, param: str | N
 
 
 def test_api_keys_and_tiers() -> None:
-    tenants = [TenantEntry("gold", ("k-gold",), 0, True), TenantEntry("free", ("k-free",), 3, False)]
+    tenants = [TenantEntry.with_keys("gold", ("k-gold",), 0, True),
+               TenantEntry.with_keys("free", ("k-free",), 3, False)]
     client, backend, _ = make_client(tenants)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     assert client.post("/v1/completions", json=body).status_code == 401

@@ -1,6 +1,8 @@
 """The chart: `helm lint --strict`, `helm template` for a 2-node GPU cluster, and the
 rendered objects checked against Kubernetes' schemas, the repo's RayService schema and
-tierserve's own config loader."""
+tierserve's own config loader; then each safety property of the rendered objects (Ray
+token auth, NetworkPolicy, keys from a Secret on the head only, probes, security
+contexts, the serve Service), and every unsafe combination refused at render time."""
 
 from __future__ import annotations
 
@@ -18,9 +20,6 @@ from cluster.config import ClusterConfig, ConfigError, load_config
 
 K8S_VERSION = "1.35.0"
 OPEN = ("--set", "config.router.allow_open_access=true")
-# What the 2-node values' extraEnv would bring from their Secret.
-SECRET_ENV = {"TIERSERVE_KEYS_CHAT": "k-chat", "TIERSERVE_KEYS_BATCH": "k-b1,k-b2",
-              "TIERSERVE_KEYS_METRICS": "k-metrics"}
 VALUES = Path(__file__).resolve().parents[2] / "helm" / "tierserve" / "values.yaml"
 
 
@@ -42,7 +41,7 @@ def rendered_config(docs: list[dict[str, Any]], tmp_path: Path) -> ClusterConfig
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")]
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
-    return load_config(path, environ=SECRET_ENV)
+    return load_config(path, environ={})
 
 
 @pytest.mark.parametrize("two_node", [False, True], ids=["defaults", "2node-gpu"])
@@ -56,10 +55,10 @@ def test_lint_strict(chart, two_node: bool) -> None:
 
 def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> None:
     docs = chart.render("-f", str(chart.two_node_values))
-    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "ConfigMap", "RayService",
-                                               "Service", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "ConfigMap", "NetworkPolicy",
+                                               "RayService", "Secret", "ServiceMonitor"]
     for doc in docs:
-        if doc["kind"] in ("ConfigMap", "Service"):
+        if doc["kind"] in ("ConfigMap", "NetworkPolicy", "Secret"):
             validate_core(doc)
     (rs,) = by_kind(docs, "RayService")
     jsonschema.validate(rs, json.loads(chart.rayservice_schema.read_text()),
@@ -75,10 +74,9 @@ def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> No
     cfg = rendered_config(docs, tmp_path)
     assert (cfg.pools.num_prefill, cfg.pools.num_decode) == (2, 2)
     assert cfg.model.served_name == "qwen2.5-7b"
-    # Keys come from the Secret through the environment, never from the values.
-    assert cfg.requires_api_key and [t.api_keys for t in cfg.tenants] == [
-        ("k-chat",), ("k-b1", "k-b2"), ("k-metrics",)]
-    assert "k-chat" not in json.dumps(docs)
+    # Keys come from the Secret's files, read by the router; the config names the files.
+    assert cfg.requires_api_key and [t.api_keys_file for t in cfg.tenants] == [
+        "/etc/tierserve/keys/chat", "/etc/tierserve/keys/batch", "/etc/tierserve/keys/metrics"]
     for g in groups:
         role, domain = g["groupName"].split("-", 1)
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 1
@@ -105,16 +103,19 @@ def test_two_node_gpu_cluster_renders_valid_objects(chart, tmp_path: Path) -> No
     (app,) = serve["applications"]
     assert app["import_path"] == "cluster.serve_app:app_builder"
     assert app["args"] == {"config_path": "/etc/tierserve/config.yaml"}
-    assert serve["http_options"]["port"] == cfg.router.port
+    assert serve["http_options"] == {"host": cfg.router.host, "port": cfg.router.port}
 
-    # The Service reaches the head's Serve port; the ServiceMonitor scrapes it.
-    (svc,) = by_kind(docs, "Service")
+    # Clients reach the RayService's own serve Service: KubeRay sets its selector (the
+    # active cluster's pods with a healthy Serve proxy); the chart makes no Service that
+    # selects pods by its own labels, which both clusters' heads carry during an upgrade.
+    svc = rs["spec"]["serveService"]
+    assert "selector" not in svc["spec"]
+    assert svc["metadata"]["name"] == rs["metadata"]["name"]
     (port,) = svc["spec"]["ports"]
     head_ports = {p["name"]: p["containerPort"]
                   for p in head["template"]["spec"]["containers"][0]["ports"]}
-    assert head_ports[port["targetPort"]] == cfg.router.port
-    head_labels = head["template"]["metadata"]["labels"]
-    assert svc["spec"]["selector"].items() <= head_labels.items()
+    assert port["targetPort"] == head_ports["serve"] == cfg.router.port
+    validate_core({"apiVersion": "v1", "kind": "Service", **svc})
     (sm,) = by_kind(docs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == port["name"]
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
@@ -136,11 +137,24 @@ def test_open_access_on_the_network_needs_an_explicit_value(chart) -> None:
     assert out.returncode != 0
     assert "config.router.host 0.0.0.0 with no API key" in out.stderr
     assert "allow_open_access" in out.stderr
-    # Said explicitly, on loopback, or with a key: rendered.
+    # Said explicitly, on loopback, or with a key file: rendered.
     for extra in (OPEN, ("--set", "config.router.host=127.0.0.1"),
                   ("--set", "config.tenants[0].name=a", "--set",
-                   "config.tenants[0].api_keys_env=KEYS")):
+                   "config.tenants[0].api_keys_file=/etc/tierserve/keys/a",
+                   "--set", "apiKeys.existingSecret=keys")):
         assert chart.run("template", "ts", str(chart.path), *extra).returncode == 0, extra
+
+
+def test_the_router_binds_the_configured_host(chart) -> None:
+    # The old chart bound 0.0.0.0 whatever config.router.host said, so a loopback host
+    # without keys passed the check and served open on the pod IP.
+    (rs,) = by_kind(chart.render("--set", "config.router.host=127.0.0.1"), "RayService")
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert serve["http_options"]["host"] == "127.0.0.1"
+    (head,) = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        command = head[probe]["exec"]["command"]
+        assert command[command.index("--host") + 1] == "127.0.0.1"
 
 
 def test_defaults_render_one_prefill_and_one_decode_group(chart, tmp_path: Path) -> None:
@@ -157,10 +171,11 @@ def test_defaults_render_one_prefill_and_one_decode_group(chart, tmp_path: Path)
 def test_config_in_secret_and_fractional_cpus(chart, tmp_path: Path) -> None:
     values = tmp_path / "cpu-values.yaml"
     values.write_text("configInSecret: true\n"
+                      "apiKeys: {existingSecret: my-keys}\n"
                       "config: {pools: {num_cpus_per_worker: 0.5, num_gpus_per_worker: 0},\n"
-                      "         tenants: [{name: a, api_keys: [k-a]}]}\n")
+                      "         tenants: [{name: a, api_keys_file: /etc/tierserve/keys/a}]}\n")
     docs = chart.render("-f", str(values))
-    (secret,) = by_kind(docs, "Secret")
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-config")]
     validate_core(secret)
     assert "config.yaml" in secret["stringData"]
     (rs,) = by_kind(docs, "RayService")

@@ -30,13 +30,7 @@ def test_import_path_resolves_to_the_builder(chart) -> None:
     assert getattr(importlib.import_module(module), attr) is app_builder
 
 
-def test_builder_loads_the_rendered_config(chart, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # The keys the two-node values' extraEnv brings from their Secret into every pod.
-    keys = {"TIERSERVE_KEYS_CHAT": "k1", "TIERSERVE_KEYS_BATCH": "k2",
-            "TIERSERVE_KEYS_METRICS": "k3"}
-    for name, value in keys.items():
-        monkeypatch.setenv(name, value)
+def test_builder_loads_the_rendered_config(chart, tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
     values.write_text("config:\n  tracing: {enabled: true, jsonl_path: /var/log/ts.jsonl}\n")
     app, text = _serve_app(chart, "-f", str(chart.two_node_values), "-f", str(values))
@@ -44,8 +38,11 @@ def test_builder_loads_the_rendered_config(chart, tmp_path: Path,
     mounted.write_text(text)
     assert set(app["args"]) == {"config_path"}
     cfg = load_app_config({**app["args"], "config_path": str(mounted)})
-    assert cfg == load_config(mounted, environ=keys)
-    assert [t.api_keys for t in cfg.tenants] == [("k1",), ("k2",), ("k3",)]
+    assert cfg == load_config(mounted, environ={})
+    # The builder reads no key: the router reads the Secret's files on the head pod.
+    assert [t.api_keys_file for t in cfg.tenants] == [
+        "/etc/tierserve/keys/chat", "/etc/tierserve/keys/batch", "/etc/tierserve/keys/metrics"]
+    assert cfg.requires_api_key
     assert cfg.tracing.enabled and cfg.tracing.trace_file == "/var/log/ts.jsonl"
     assert cfg.pools.num_prefill == 2 and cfg.pools.num_decode == 2
     over = load_app_config({"config_path": str(mounted), "set": ["pools.num_kv_blocks=64"]})
