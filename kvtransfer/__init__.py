@@ -148,6 +148,7 @@ from __future__ import annotations
 from kvtransfer.backend import Backend
 from kvtransfer.consumer import KVConsumer
 from kvtransfer.dist_backend import DistBackend
+from kvtransfer.guard import ListenerStats, Refusal
 from kvtransfer.layout import KVLayout, KVStore, TensorKVStore
 from kvtransfer.mock_backend import MockBackend, MockHub
 from kvtransfer.producer import KVProducer
@@ -171,8 +172,10 @@ __all__ = [
     "KVLocation",
     "KVProducer",
     "KVStore",
+    "ListenerStats",
     "MockBackend",
     "MockHub",
+    "Refusal",
     "Side",
     "TensorKVStore",
     "TopologyClass",
