@@ -688,6 +688,9 @@ class WorkerReport:
     incarnation: str = ""
     # Swap space, prefix cache and measured KV moves (decode and prefill workers).
     memory: KVMemoryReport | None = None
+    # False: a part the steps do not exercise is down for good (a decode worker's KV accept
+    # thread kept failing: no new pair can open), so the scheduler's watch replaces it.
+    is_healthy: bool = True
 
 
 # -- healing ------------------------------------------------------------------------
