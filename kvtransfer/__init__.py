@@ -44,6 +44,9 @@ Public API::
     consumer.poll(req_id) -> TransferStatus | None           # never blocks
     consumer.abort(req_id) -> bool; consumer.forget(req_id) -> TransferStatus | None
     consumer.drain_stats() -> list[TransferStats]; consumer.close()
+    consumer.listener_stats() -> ListenerStats               # what was refused, by kind and
+        # connection (accept queue, pairs), thread restarts; consumer.is_healthy() -> bool
+        # (False: the accept thread is down for good, the worker reports itself unhealthy)
 
     # prefill worker
     producer = KVProducer(pool, location=loc, config=cfg)
