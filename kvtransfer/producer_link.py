@@ -100,6 +100,9 @@ class ProducerLink:
         # Both queues live on stores anyone may push to: fwd sealed, rev opened
         # (kvtransfer.auth); what fails is counted here and dropped.
         self._fwd_sealer = auth.Sealer(secret, self._fwd_key)
+        # Held from sealing to pushing, so fwd messages reach the store in sequence order
+        # (the consumer refuses one older than the last as a replay).
+        self._fwd_lock = threading.Lock()
         self.counts = RefusalCounts()
         self._closing = threading.Event()
         self._frame_pool = FramePool()
@@ -207,12 +210,17 @@ class ProducerLink:
 
     def _send_fwd(self, msg: wire.Message) -> None:
         if not self._frames:
-            if self._fwd is not None:
-                self._fwd.push(self._fwd_key, self._fwd_sealer.seal(wire.encode(msg)))
+            self._push_fwd(msg)
             return
         frame = self._frame_pool.take()
         wire.write_frame(msg, frame.view)
         self._issue(frame.tensor, FRAME_TAG, frame, self._frame_pool, None, 0)
+
+    def _push_fwd(self, msg: wire.Message) -> None:
+        """Store-queue path: one sealed message on our own store's fwd queue."""
+        with self._fwd_lock:
+            if self._fwd is not None:
+                self._fwd.push(self._fwd_key, self._fwd_sealer.seal(wire.encode(msg)))
 
     # -- sender thread --------------------------------------------------------------------------
 
@@ -514,10 +522,8 @@ class ProducerLink:
             ctx.table.finish(record, TransferState.FAILED, reason, Side.CONSUMER, detail)
             if not self._frames and reason is FailReason.TIMEOUT:
                 try:  # in frames mode the consumer learns it from the torn-down group
-                    if self._fwd is not None:
-                        self._fwd.push(self._fwd_key, self._fwd_sealer.seal(wire.encode(
-                            wire.End(record.req_id, TransferState.FAILED, reason,
-                                     Side.CONSUMER, detail, record.tag))))
+                    self._push_fwd(wire.End(record.req_id, TransferState.FAILED, reason,
+                                            Side.CONSUMER, detail, record.tag))
                 except ChannelError:
                     pass
         if not local:
