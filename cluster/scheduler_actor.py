@@ -228,7 +228,7 @@ class SchedulerService:
         if slot is None or not slot.is_alive:
             return False
         if not self.watch.on_report(rep.worker_id, rep.incarnation, rep.num_steps,
-                                    rep.is_busy, time.monotonic()):
+                                    rep.is_busy, time.monotonic(), rep.is_healthy):
             return False
         self.core.report(rep)
         return True

@@ -37,6 +37,7 @@ class Verdict(enum.Enum):
 
     STALLED = "stalled"  # busy, and no step for the stall bound (hung engine, wedged loop)
     SILENT = "silent"  # busy, and no report for the stall bound (hung event loop)
+    UNHEALTHY = "unhealthy"  # says so in its report (a KV accept thread down for good)
 
 
 @dataclass(slots=True)
@@ -47,6 +48,8 @@ class _Seen:
     last_report: float = 0.0
     # Since when the worker has been busy without its step count moving.
     stuck_since: float | None = None
+    # Its last report said a part its steps do not exercise is down (WorkerReport.is_healthy).
+    is_healthy: bool = True
 
 
 class ProgressWatch:
@@ -73,11 +76,12 @@ class ProgressWatch:
         return None if seen is None else seen.incarnation
 
     def on_report(self, worker_id: str, incarnation: str, num_steps: int, is_busy: bool,
-                  now: float) -> bool:
+                  now: float, is_healthy: bool = True) -> bool:
         """Record a report; False when it is not from the watched incarnation."""
         seen = self._seen.get(worker_id)
         if seen is None or (incarnation and incarnation != seen.incarnation):
             return False
+        seen.is_healthy = is_healthy
         moved = num_steps != seen.num_steps
         seen.num_steps = num_steps
         seen.last_report = now
@@ -92,6 +96,9 @@ class ProgressWatch:
         """Workers to give up on now, and why."""
         out = []
         for wid, seen in self._seen.items():
+            if not seen.is_healthy:  # busy or idle: it cannot take new work as it should
+                out.append((wid, Verdict.UNHEALTHY))
+                continue
             if not seen.is_busy:
                 continue
             if now - seen.last_report > self.stall_s:

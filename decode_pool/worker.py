@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from engine import service
@@ -275,10 +276,15 @@ class DecodeWorker:
 
     def status(self) -> dict[str, Any]:
         swap = self.engine.swap
+        kv = self.consumer.listener_stats()
         return {"worker_id": self.worker_id, **service.engine_status(self.engine),
                 "num_requests": self.core.num_requests, "num_steps": self.core.num_steps,
                 "num_swap_used": swap.num_used, "num_swap_peak": swap.num_peak,
-                "num_swap_blocks": swap.capacity}
+                "num_swap_blocks": swap.capacity,
+                # what the KV listener refused, by kind (kvtransfer.guard), and its health
+                "kv_refused_accept": {r.value: n for r, n in kv.accept.items()},
+                "kv_refused_pairs": {r.value: n for r, n in kv.pairs.items()},
+                "kv_thread_restarts": kv.num_thread_restarts, "kv_healthy": kv.is_healthy}
 
     def _flush(self) -> None:
         for router_id, deltas in self.core.take_outbox():
@@ -377,8 +383,11 @@ class DecodeWorker:
         for t in done_transfers(self.producer) if self.producer is not None else ():
             if t.num_bytes:  # a migration out: a link's pace
                 core.moved(t.req_id, t.num_bytes, t.duration_s)
-        return core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
-                           service.kv_counters(self.engine))
+        report = core.report(self.engine.num_free_blocks, self.engine.num_total_blocks,
+                             service.kv_counters(self.engine))
+        if not self.consumer.is_healthy():  # no new pair can open: the scheduler replaces us
+            report = replace(report, is_healthy=False)
+        return report
 
     async def _report_loop(self) -> None:
         while True:

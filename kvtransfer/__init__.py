@@ -44,6 +44,9 @@ Public API::
     consumer.poll(req_id) -> TransferStatus | None           # never blocks
     consumer.abort(req_id) -> bool; consumer.forget(req_id) -> TransferStatus | None
     consumer.drain_stats() -> list[TransferStats]; consumer.close()
+    consumer.listener_stats() -> ListenerStats               # what was refused, by kind and
+        # connection (accept queue, pairs), thread restarts; consumer.is_healthy() -> bool
+        # (False: the accept thread is down for good, the worker reports itself unhealthy)
 
     # prefill worker
     producer = KVProducer(pool, location=loc, config=cfg)
@@ -148,6 +151,7 @@ from __future__ import annotations
 from kvtransfer.backend import Backend
 from kvtransfer.consumer import KVConsumer
 from kvtransfer.dist_backend import DistBackend
+from kvtransfer.guard import ListenerStats, Refusal
 from kvtransfer.layout import KVLayout, KVStore, TensorKVStore
 from kvtransfer.mock_backend import MockBackend, MockHub
 from kvtransfer.producer import KVProducer
@@ -171,8 +175,10 @@ __all__ = [
     "KVLocation",
     "KVProducer",
     "KVStore",
+    "ListenerStats",
     "MockBackend",
     "MockHub",
+    "Refusal",
     "Side",
     "TensorKVStore",
     "TopologyClass",

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from kvtransfer.guard import RefusalCounts
 from scheduler.messages import KVServer
 
 FRAME_TAG = 2  # fwd messages as frames (channels with can_prepost)
@@ -72,6 +73,10 @@ class MessageQueue(Protocol):
         """Block until a message arrives; ChannelError when the server is gone."""
         ...
 
+    def pending(self, key: str) -> int:
+        """How many messages wait in ``key`` (a bound is checked before a pop)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -97,12 +102,17 @@ class Backend(Protocol):
         local_host: str,
         timeout_s: float,
         on_connected: Callable[[], None] | None = None,
+        *,
+        secret: str,
+        counts: RefusalCounts | None = None,
     ) -> Channel:
         """Rendezvous with the other rank of ``pair`` at ``address`` (blocking).
 
         ``on_connected`` runs once this side's connection to the rendezvous server is up and
         before it waits for the peer: the producer announces the pair from there, so the two
-        sides never connect to the server at the same moment."""
+        sides never connect to the server at the same moment. ``secret`` (the consumer's)
+        seals what the rendezvous stores and checks what it reads; a value that fails is
+        counted in ``counts`` and fails the rendezvous."""
         ...
 
     def shutdown(self) -> None:

@@ -6,9 +6,11 @@ Life of a transfer here::
     1. expect(req, block_ids, present)  PENDING; the ticket (slots, tag, segment size) goes to
                                         the producer through the control plane
     2. Hello on our accept queue        a producer opens a pair, proving it holds the ticket's
-                                        secret (kvtransfer.auth; otherwise refused, nothing is
+                                        secret (sealed, kvtransfer.auth; anything else is
+                                        refused and counted, kvtransfer.guard, and nothing is
                                         opened): its link thread joins the pair's process
-                                        group (rank 1) and reads its fwd stream
+                                        group (rank 1, through a sealed store) and reads its
+                                        fwd stream
     3. Open(req)                        checked against the reservation (count, block ids,
                                         dtype, shapes, tag, plan) before any receive is posted;
                                         refused: End(FAILED). Posted path: every segment's
@@ -38,9 +40,16 @@ import uuid
 from collections.abc import Sequence
 
 from kvtransfer import auth, wire
-from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError
+from kvtransfer.backend import FIRST_DATA_TAG, MAX_DATA_TAG, Backend, ChannelError, MessageQueue
 from kvtransfer.consumer_link import ConsumerContext, ConsumerLink
 from kvtransfer.dist_backend import DistBackend
+from kvtransfer.guard import (
+    ListenerStats,
+    Refusal,
+    RefusalCounts,
+    SupervisedThread,
+    worth_logging,
+)
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments, segment_blocks_for
 from kvtransfer.state import (
@@ -86,7 +95,8 @@ class KVConsumer:
         # Only producers given one of our tickets may open a pair (kvtransfer.auth).
         self._secret = auth.new_secret()
         self._pairs_seen: set[str] = set()
-        self.num_refused_pairs = 0
+        self._accept_counts = RefusalCounts()  # the accept queue's refusals
+        self._closed_pair_counts = RefusalCounts()  # refusals on pairs torn down since
         # Blocks per segment, one message each (the ticket hands it to the producer).
         self.segment_blocks = segment_blocks_for(self.config.part_bytes, self.layout.bytes_per_block)
         self._tags = itertools.count()
@@ -103,11 +113,13 @@ class KVConsumer:
             table=self._table, store=store, layout=self.layout, config=self.config,
             segment_blocks=self.segment_blocks, backend=self._backend, server=self._server,
             location=self.location, rev_queue=self._rev_queue, rev_lock=self._rev_lock,
-            end=self.end, is_closed=self._closed.is_set, drop_link=self._drop_link)
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name=f"kvx-accept-{self.endpoint_id}")
+            end=self.end, is_closed=self._closed.is_set, drop_link=self._drop_link,
+            secret=self._secret)
+        self._accept_thread = SupervisedThread(f"kvx-accept-{self.endpoint_id}",
+                                               self._accept_loop, self._is_open)
         self._accept_thread.start()
-        self._watchdog = Watchdog(self._table, self.config, self._on_overdue)
+        self._watchdog = Watchdog(self._table, self.config, self._on_overdue,
+                                  on_tick=self._accept_thread.check)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -182,6 +194,30 @@ class KVConsumer:
         with self._links_lock:
             return [link.producer_id for link in self._links.values()]
 
+    @property
+    def num_refused_pairs(self) -> int:
+        """Messages refused on the accept queue (no pair was opened for any of them)."""
+        return self._accept_counts.total
+
+    def is_healthy(self) -> bool:
+        """False once the accept thread ended for good (it kept failing): no new pair can
+        open here, and the worker reports itself unhealthy so that it is replaced."""
+        return self._closed.is_set() or self._accept_thread.is_healthy
+
+    def listener_stats(self) -> ListenerStats:
+        """Every refusal so far, on the accept queue and on the pairs, and thread health."""
+        pairs = RefusalCounts()
+        pairs.add(self._closed_pair_counts)
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
+            pairs.add(link.counts)
+        thread = self._accept_thread
+        dead = () if thread.is_alive or self._closed.is_set() else (thread.name,)
+        return ListenerStats(accept=self._accept_counts.snapshot(), pairs=pairs.snapshot(),
+                             num_thread_restarts=thread.num_restarts, dead_threads=dead,
+                             is_healthy=self.is_healthy())
+
     def close(self) -> None:
         """Abort live transfers, say goodbye to every producer, stop the server."""
         if self._closed.is_set():
@@ -196,7 +232,7 @@ class KVConsumer:
             link.close(graceful=True)
         try:  # wake the accept thread (its own connection is blocked in pop)
             waker = self._backend.open_queue(self._server, self.config.connect_timeout_s)
-            waker.push(ACCEPT_KEY, wire.encode(wire.Bye()))
+            waker.push(ACCEPT_KEY, auth.seal(self._secret, ACCEPT_KEY, 0, wire.encode(wire.Bye())))
             waker.close()
         except ChannelError:
             pass
@@ -212,38 +248,68 @@ class KVConsumer:
     def table(self) -> TransferTable:
         return self._table
 
+    def _is_open(self) -> bool:
+        return not self._closed.is_set()
+
     def _accept_loop(self) -> None:
+        """The accept thread's body (a SupervisedThread restarts it if it ends while open):
+        one message at a time, each refused or turned into a pair; nothing one message does
+        ends it. A broken connection to our own store is opened again, then the loop ends
+        and is restarted (counted: a store that keeps failing makes us unhealthy)."""
         while not self._closed.is_set():
+            queue = self._accept_queue
             try:
-                raw = self._accept_queue.pop(ACCEPT_KEY)
+                self._shed_excess(queue)
+                raw = queue.pop(ACCEPT_KEY)
             except ChannelError as exc:
-                if not self._closed.is_set():
-                    log.error("kvtransfer consumer %s: accept queue failed: %s", self.endpoint_id, exc)
+                if self._closed.is_set():
+                    return
+                log.error("kvtransfer consumer %s: accept queue failed: %s; reconnecting",
+                          self.endpoint_id, exc)
+                self._accept_queue = self._backend.open_queue(self._server,
+                                                              self.config.connect_timeout_s)
                 return
             try:
                 self._accept(raw)
-            except Exception:  # one bad Hello never ends the loop: later pairs still open
-                self.num_refused_pairs += 1
+            except Exception:  # a bug in handling one message: that message only
+                self._refuse_hello(Refusal.MALFORMED, "handling it failed")
                 log.exception("kvtransfer consumer %s: a hello failed; dropped", self.endpoint_id)
+
+    def _shed_excess(self, queue: MessageQueue) -> None:
+        """More Hellos waiting than the bound: drop the excess unread (refused, counted)."""
+        excess = queue.pending(ACCEPT_KEY) - self.config.max_pending_hellos
+        for _ in range(max(0, excess)):
+            queue.pop(ACCEPT_KEY)
+            self._refuse_hello(Refusal.OVER_BOUND, "the accept queue is over its bound")
+
+    def _refuse_hello(self, refusal: Refusal, detail: str) -> None:
+        n = self._accept_counts.count(refusal)
+        if worth_logging(n):
+            log.warning("kvtransfer consumer %s: refused a message on the accept queue (%s, "
+                        "%d so far): %s", self.endpoint_id, refusal.value, n, detail)
 
     def _accept(self, raw: bytes) -> None:
         """One message of the accept queue: a Hello that proves a ticket opens its pair."""
         try:
-            msg = wire.decode(raw)
+            _, payload = auth.unseal(self._secret, ACCEPT_KEY, raw,
+                                     max_bytes=wire.MAX_MESSAGE_BYTES)
+            msg = wire.decode(payload)
+        except auth.AuthError as exc:
+            self._refuse_hello(Refusal(exc.kind), str(exc))
+            return
         except wire.ProtocolError as exc:
-            log.warning("kvtransfer consumer: bad hello dropped: %s", exc)
+            self._refuse_hello(Refusal.MALFORMED, str(exc))
             return
         if isinstance(msg, wire.Bye) or self._closed.is_set():
             return
         if not isinstance(msg, wire.Hello):
-            log.warning("kvtransfer consumer: unexpected %s on the accept queue", type(msg).__name__)
+            self._refuse_hello(Refusal.UNEXPECTED, f"a {type(msg).__name__}")
             return
-        if msg.pair in self._pairs_seen or not auth.is_valid_proof(
-                self._secret, msg.pair, msg.producer_id, msg.proof):
-            self.num_refused_pairs += 1
-            log.warning("kvtransfer consumer %s: refused a pair from %r: it holds none of "
-                        "our tickets (or replayed a hello)", self.endpoint_id,
-                        msg.producer_id[:64])
+        if msg.pair in self._pairs_seen:
+            self._refuse_hello(Refusal.REPLAYED, f"pair {msg.pair[:64]!r} seen before")
+            return
+        if not auth.is_valid_proof(self._secret, msg.pair, msg.producer_id, msg.proof):
+            self._refuse_hello(Refusal.FORGED, f"a wrong proof from {msg.producer_id[:64]!r}")
             return
         self._pairs_seen.add(msg.pair)
         link = ConsumerLink(self._link_context, msg)
@@ -258,6 +324,7 @@ class KVConsumer:
         with self._links_lock:
             if self._links.get(link.pair) is link:
                 del self._links[link.pair]
+                self._closed_pair_counts.add(link.counts)
 
     def _on_overdue(self, record: TransferRecord) -> None:
         if record.cancel is not None:  # ending, but the producer did not release it

@@ -46,9 +46,10 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.backend import FRAME_TAG, Backend, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import Frame, PoolView, Slab, SlabPool, crc32
+from kvtransfer.guard import Refusal, RefusalCounts, worth_logging
 from kvtransfer.layout import KVLayout, KVStore, dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferConfig, TransferState
@@ -87,6 +88,7 @@ class ConsumerContext:
     end: EndTransfer
     is_closed: Callable[[], bool]  # the consumer is closing: live transfers end ABORTED
     drop_link: Callable[[ConsumerLink], None]  # forget a torn-down link
+    secret: str  # the consumer's (kvtransfer.auth): seals rev, opens fwd and the group's store
 
 
 class ConsumerLink:
@@ -112,6 +114,10 @@ class ConsumerLink:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvx-recv-{self.pair}")
         self._fwd_key = f"kvx/{self.pair}/fwd"
         self._rev_key = f"kvx/{self.pair}/rev"
+        self._rev_sealer = auth.Sealer(ctx.secret, self._rev_key)
+        # What this pair's streams refused (the store's fwd queue, the group's rendezvous):
+        # dropped and counted, never acted on (kvtransfer.guard).
+        self.counts = RefusalCounts()
 
     def start(self) -> None:
         self._thread.start()
@@ -139,7 +145,7 @@ class ConsumerLink:
             if self._rev is None:
                 return
             try:
-                self._rev.push(self._rev_key, wire.encode(msg))
+                self._rev.push(self._rev_key, self._rev_sealer.seal(wire.encode(msg)))
             except ChannelError as exc:
                 log.warning("kvtransfer consumer: cannot reach producer %s: %s", self.producer_id, exc)
 
@@ -156,13 +162,24 @@ class ConsumerLink:
     # -- the reader thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The reader thread. Whatever escapes the read loop ends the pair in order (its
+        transfers fail, the group closes), never the thread alone with the pair half up."""
+        try:
+            self._serve()
+        except Exception as exc:
+            log.exception("kvtransfer consumer: pair %s failed", self.pair)
+            self.counts.count(Refusal.MALFORMED)
+            self._teardown(FailReason.PROTOCOL, f"the pair's reader failed: {exc!r:.200}",
+                           notify=True)
+
+    def _serve(self) -> None:
         ctx, cfg = self._ctx, self._ctx.config
         hello = self._hello
         try:
             self._rev = ctx.rev_queue
             self._channel = ctx.backend.open_channel(
                 ctx.server, self.pair, 1, ctx.layout.device, ctx.location.host,
-                cfg.connect_timeout_s)
+                cfg.connect_timeout_s, secret=ctx.secret, counts=self.counts)
             fwd = None if self._channel.can_prepost else ctx.backend.open_queue(
                 hello.server, cfg.connect_timeout_s)
         except (ChannelError, ValueError) as exc:
@@ -183,10 +200,21 @@ class ConsumerLink:
         if channel is None:
             return
         pending: Work | None = None
+        opener = auth.Opener(self._ctx.secret, self._fwd_key, wire.MAX_MESSAGE_BYTES)
         while True:
             try:
                 if frame is None:
-                    msg = wire.decode(fwd.pop(self._fwd_key)) if fwd is not None else wire.Bye()
+                    if fwd is None:
+                        msg: wire.Message = wire.Bye()
+                    else:
+                        try:  # the producer's store: anyone may push there
+                            payload = opener.open(fwd.pop(self._fwd_key))
+                        except auth.AuthError as exc:
+                            if worth_logging(self.counts.count(Refusal(exc.kind))):
+                                log.warning("kvtransfer consumer: pair %s: refused a fwd "
+                                            "message (%s)", self.pair, exc)
+                            continue
+                        msg = wire.decode(payload)
                 else:
                     pending = pending or channel.recv(frame.tensor, FRAME_TAG)
                     pending.wait(_IDLE_WAIT_S)
@@ -195,7 +223,8 @@ class ConsumerLink:
             except ChannelError as exc:
                 self._teardown(FailReason.PEER_LOST, f"producer unreachable: {exc}")
                 return
-            except wire.ProtocolError as exc:
+            except wire.ProtocolError as exc:  # authentic, so the producer is broken
+                self.counts.count(Refusal.MALFORMED)
                 self._teardown(FailReason.PROTOCOL, f"bad message from the producer: {exc}")
                 return
             try:
@@ -222,6 +251,7 @@ class ConsumerLink:
                 self._teardown(reason, f"receiving from the producer: {exc}", notify=True)
                 return
             except wire.ProtocolError as exc:
+                self.counts.count(Refusal.MALFORMED)
                 self._teardown(FailReason.PROTOCOL, str(exc), notify=True)
                 return
 

@@ -8,6 +8,14 @@ and tearing one down (``abort``) leaves the others alone.
 A TCPStore server left to itself listens on every interface; ours gets a socket already
 bound to the address the endpoint advertises (the node address the cluster uses), so it
 is not reachable on any other interface. Gloo's own listener binds that address too.
+
+The store has no authentication of its own, so the pair's group meets through a
+:class:`SealedStore`: every value gloo or NCCL sets there is sealed with the consumer's
+secret over its full key (``kvx/pg/{pair}/...``), every value read is checked
+(``kvtransfer.auth.open_value``). An overwritten, moved or forged value fails the group's
+rendezvous (a ChannelError, counted) instead of connecting to whoever wrote it. The libuv
+server refuses any single value over 8 MiB before storing it (and drops that connection);
+queue messages are bounded again on read (``DistQueue.pop``'s caller, ``auth.unseal``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtransfer import auth
 from kvtransfer.backend import CLOSE_TAG, ChannelError
+from kvtransfer.guard import Refusal, RefusalCounts
 from scheduler.messages import KVServer
 
 # Blocking pops wake up this often only to re-arm; closing wakes them with a message.
@@ -50,9 +60,80 @@ class _DistWork:
             ) from None
 
 
+class SealedStore(dist.Store):
+    """A pair's view of the consumer's store for its group's rendezvous: values sealed on
+    ``set``, checked on ``get`` (a refused one raises, so the rendezvous fails, and is
+    counted in ``counts``). Integer counters (``add``) cannot be sealed and pass through;
+    gloo and NCCL meet with ``set``/``wait``/``get`` only. The caller keeps this object
+    referenced while the group lives: C++ holds only its native half."""
+
+    def __init__(self, inner: Any, secret: str, counts: RefusalCounts | None = None) -> None:
+        super().__init__()
+        self._inner, self._secret, self._counts = inner, secret, counts
+        self._clones: list[SealedStore] = []
+
+    def _open(self, key: str, raw: bytes) -> bytes:
+        try:
+            return auth.open_value(self._secret, key, raw)
+        except auth.AuthError as exc:
+            if self._counts is not None:
+                self._counts.count(Refusal(exc.kind))
+            raise RuntimeError(f"store value {key} refused: {exc}") from None
+
+    def set(self, key: str, value: bytes) -> None:
+        self._inner.set(key, auth.seal_value(self._secret, key, bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._inner.get(key))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self._open(k, v) for k, v in zip(keys, self._inner.multi_get(keys), strict=True)]
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._inner.multi_set(keys, [auth.seal_value(self._secret, k, bytes(v))
+                                     for k, v in zip(keys, values, strict=True)])
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        raise RuntimeError("compare_set on a sealed store is not supported")
+
+    def append(self, key: str, value: bytes) -> None:
+        raise RuntimeError("append on a sealed store is not supported")
+
+    def add(self, key: str, value: int) -> int:
+        return self._inner.add(key, value)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def has_extended_api(self) -> bool:
+        return False
+
+    def clone(self) -> SealedStore:
+        twin = SealedStore(self._inner.clone(), self._secret, self._counts)
+        self._clones.append(twin)
+        return twin
+
+
 class DistChannel:
-    def __init__(self, group: Any, rank: int, backend_name: str, can_prepost: bool) -> None:
+    def __init__(self, group: Any, rank: int, backend_name: str, can_prepost: bool,
+                 stores: tuple[Any, ...] = ()) -> None:
         self._group, self._peer = group, 1 - rank
+        self._stores = stores  # the group's rendezvous stores, kept alive with it
         self.backend_name = backend_name
         self.can_prepost = can_prepost
         self._cuda = backend_name == "nccl"
@@ -106,6 +187,12 @@ class DistQueue:
             self._store.queue_push(key, data)
         except (RuntimeError, dist.DistError) as exc:
             raise ChannelError(f"queue push {key}: {str(exc).splitlines()[0]}") from None
+
+    def pending(self, key: str) -> int:
+        try:
+            return int(self._store.queue_len(key))
+        except (RuntimeError, dist.DistError) as exc:
+            raise ChannelError(f"queue length {key}: {str(exc).splitlines()[0]}") from None
 
     def pop(self, key: str) -> bytes:
         while True:
@@ -174,6 +261,9 @@ class DistBackend:
         local_host: str,
         timeout_s: float,
         on_connected: Callable[[], None] | None = None,
+        *,
+        secret: str,
+        counts: RefusalCounts | None = None,
     ) -> DistChannel:
         kind = self.channel_backend_name(device)
         try:
@@ -182,7 +272,8 @@ class DistBackend:
             )
             if on_connected is not None:
                 on_connected()
-            store = dist.PrefixStore(f"kvx/pg/{pair}", client)
+            sealed = SealedStore(client, secret, counts)
+            store = dist.PrefixStore(f"kvx/pg/{pair}", sealed)
             if kind == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = _td(timeout_s)
@@ -195,7 +286,7 @@ class DistBackend:
         except (RuntimeError, dist.DistError) as exc:
             raise ChannelError(f"rendezvous for pair {pair} failed: {exc}") from None
         frames = (kind == "gloo") if self._frames is None else (self._frames and kind == "gloo")
-        return DistChannel(group, rank, kind, frames)
+        return DistChannel(group, rank, kind, frames, (sealed, store))
 
     def shutdown(self) -> None:
         self._server = None

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kvtransfer.backend import ChannelError
+from kvtransfer.guard import RefusalCounts
 from scheduler.messages import KVServer
 
 _hubs: dict[str, MockHub] = {}
@@ -74,6 +75,13 @@ class MockHub:
                 if queue:
                     return queue.popleft()
                 self._lock.wait()
+
+    def pending(self, server: int, key: str) -> int:
+        with self._lock:
+            queues = self._servers.get(server)
+            if queues is None:
+                raise ChannelError(f"mock server {server} is gone")
+            return len(queues.get(key, ()))
 
     def pipe(self, pair: str, timeout_s: float) -> _MockPipe:
         deadline = time.monotonic() + timeout_s
@@ -225,6 +233,9 @@ class _MockQueue:
     def pop(self, key: str) -> bytes:
         return self._hub.pop(self._server, key)
 
+    def pending(self, key: str) -> int:
+        return self._hub.pending(self._server, key)
+
     def close(self) -> None:
         return None
 
@@ -259,7 +270,11 @@ class MockBackend:
         local_host: str,
         timeout_s: float,
         on_connected: Callable[[], None] | None = None,
+        *,
+        secret: str,
+        counts: RefusalCounts | None = None,
     ) -> MockChannel:
+        """In-process: no store values to seal (``secret`` and ``counts`` go unused)."""
         hub = MockHub.lookup(address.host)
         if on_connected is not None:
             on_connected()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kvtransfer.guard import ListenerStats
 from kvtransfer.state import TransferState, TransferStats, TransferStatus
 from scheduler.messages import TransferStat
 
@@ -27,6 +28,10 @@ class _Transfers(Protocol):
 class KVReceiver(_Transfers, Protocol):
     def expect(self, req_id: str, block_ids: Sequence[int], present: Sequence[int] = ()
                ) -> Any: ...  # the ticket the sender needs
+
+    def is_healthy(self) -> bool: ...  # False: no new pair can open here (kvtransfer.guard)
+
+    def listener_stats(self) -> ListenerStats: ...
 
 
 class KVSender(_Transfers, Protocol):

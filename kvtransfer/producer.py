@@ -39,6 +39,7 @@ import torch
 from kvtransfer import wire
 from kvtransfer.backend import Backend
 from kvtransfer.dist_backend import DistBackend
+from kvtransfer.guard import ListenerStats, RefusalCounts
 from kvtransfer.layout import KVLayout, KVStore, check_pool
 from kvtransfer.plan import plan_segments
 from kvtransfer.producer_link import ProducerContext, ProducerLink
@@ -86,6 +87,7 @@ class KVProducer:
         self._table = TransferTable(Side.PRODUCER)
         self._links: dict[str, ProducerLink] = {}
         self._links_lock = threading.Lock()
+        self._closed_pair_counts = RefusalCounts()  # refusals on pairs torn down since
         self._closed = False
         self._keepalive_s = keepalive_interval_s(self.config)
         self._link_context = ProducerContext(
@@ -204,6 +206,21 @@ class KVProducer:
         with self._links_lock:
             return list(self._links)
 
+    def listener_stats(self) -> ListenerStats:
+        """What this producer's pairs refused (forged acks on the consumer's store, a
+        forged rendezvous value). A producer has no accept queue and no thread that a
+        bad message can end: a pair whose reader fails is torn down and opened again on
+        the next ``begin``."""
+        pairs = RefusalCounts()
+        pairs.add(self._closed_pair_counts)
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
+            pairs.add(link.counts)
+        empty = RefusalCounts().snapshot()
+        return ListenerStats(accept=empty, pairs=pairs.snapshot(), num_thread_restarts=0,
+                             dead_threads=(), is_healthy=True)
+
     def disconnect(self, consumer_id: str) -> bool:
         """Tear down the pair to one consumer (its live transfers are aborted)."""
         with self._links_lock:
@@ -238,6 +255,8 @@ class KVProducer:
         with self._links_lock:
             link = self._links.get(consumer.endpoint_id)
             if link is None or link.dead:
+                if link is not None:
+                    self._closed_pair_counts.add(link.counts)
                 link = ProducerLink(self._link_context, consumer, secret)
                 self._links[consumer.endpoint_id] = link
                 link.start()
@@ -247,6 +266,7 @@ class KVProducer:
         with self._links_lock:
             if self._links.get(link.consumer_id) is link:
                 del self._links[link.consumer_id]
+                self._closed_pair_counts.add(link.counts)
 
     def _on_overdue(self, record: TransferRecord) -> None:
         if record.cursor < len(record.block_ids):

@@ -39,6 +39,7 @@ import torch
 from kvtransfer import auth, wire
 from kvtransfer.backend import FRAME_TAG, Backend, Channel, ChannelError, MessageQueue, Work
 from kvtransfer.buffers import FramePool, PoolView, Slab, SlabPool, crc32
+from kvtransfer.guard import Refusal, RefusalCounts, worth_logging
 from kvtransfer.layout import KVLayout, KVStore, dtype_to_wire
 from kvtransfer.plan import Segment, ticket_digest
 from kvtransfer.state import FailReason, Side, TransferConfig, TransferState
@@ -96,6 +97,13 @@ class ProducerLink:
         self._acker: threading.Thread | None = None
         self._fwd_key = f"kvx/{self.pair}/fwd"
         self._rev_key = f"kvx/{self.pair}/rev"
+        # Both queues live on stores anyone may push to: fwd sealed, rev opened
+        # (kvtransfer.auth); what fails is counted here and dropped.
+        self._fwd_sealer = auth.Sealer(secret, self._fwd_key)
+        # Held from sealing to pushing, so fwd messages reach the store in sequence order
+        # (the consumer refuses one older than the last as a replay).
+        self._fwd_lock = threading.Lock()
+        self.counts = RefusalCounts()
         self._closing = threading.Event()
         self._frame_pool = FramePool()
         self._staging: dict[int, SlabPool] = {}  # by segment size
@@ -202,12 +210,17 @@ class ProducerLink:
 
     def _send_fwd(self, msg: wire.Message) -> None:
         if not self._frames:
-            if self._fwd is not None:
-                self._fwd.push(self._fwd_key, wire.encode(msg))
+            self._push_fwd(msg)
             return
         frame = self._frame_pool.take()
         wire.write_frame(msg, frame.view)
         self._issue(frame.tensor, FRAME_TAG, frame, self._frame_pool, None, 0)
+
+    def _push_fwd(self, msg: wire.Message) -> None:
+        """Store-queue path: one sealed message on our own store's fwd queue."""
+        with self._fwd_lock:
+            if self._fwd is not None:
+                self._fwd.push(self._fwd_key, self._fwd_sealer.seal(wire.encode(msg)))
 
     # -- sender thread --------------------------------------------------------------------------
 
@@ -221,11 +234,12 @@ class ProducerLink:
         accept = backend.open_queue(server, cfg.connect_timeout_s)
         rev = backend.open_queue(server, cfg.connect_timeout_s)
         proof = auth.pair_proof(self._secret, self.pair, ctx.endpoint_id)
-        hello = wire.encode(wire.Hello(
-            self.pair, ctx.endpoint_id, ctx.server, ctx.location, ctx.layout.shape(), proof))
+        hello = auth.seal(self._secret, wire.ACCEPT_KEY, 0, wire.encode(wire.Hello(
+            self.pair, ctx.endpoint_id, ctx.server, ctx.location, ctx.layout.shape(), proof)))
         channel = backend.open_channel(server, self.pair, 0, ctx.layout.device,
                                        ctx.location.host, cfg.connect_timeout_s,
-                                       on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello))
+                                       on_connected=lambda: accept.push(wire.ACCEPT_KEY, hello),
+                                       secret=self._secret, counts=self.counts)
         accept.close()
         self._acker = threading.Thread(target=self._ack_loop, args=(rev,), daemon=True,
                                        name=f"kvx-ack-{self.pair}")
@@ -429,14 +443,35 @@ class ProducerLink:
     # -- ack thread -----------------------------------------------------------------------------
 
     def _ack_loop(self, rev: MessageQueue) -> None:
+        """The ack thread. Whatever escapes the loop ends the pair in order, never the
+        thread alone with the pair half up."""
+        try:
+            self._read_acks(rev)
+        except Exception as exc:
+            log.exception("kvtransfer producer: pair %s failed", self.pair)
+            self.counts.count(Refusal.MALFORMED)
+            self._teardown(FailReason.PROTOCOL, f"the pair's ack reader failed: {exc!r:.200}")
+
+    def _read_acks(self, rev: MessageQueue) -> None:
         table = self._ctx.table
+        opener = auth.Opener(self._secret, self._rev_key, wire.MAX_MESSAGE_BYTES)
         while True:
             try:
-                msg = wire.decode(rev.pop(self._rev_key))
+                raw = rev.pop(self._rev_key)
             except ChannelError as exc:
                 self._teardown(FailReason.PEER_LOST, f"consumer unreachable: {exc}")
                 return
-            except wire.ProtocolError as exc:
+            try:  # the consumer's store: anyone may push there
+                payload = opener.open(raw)
+            except auth.AuthError as exc:
+                if worth_logging(self.counts.count(Refusal(exc.kind))):
+                    log.warning("kvtransfer producer: pair %s: refused a rev message (%s)",
+                                self.pair, exc)
+                continue
+            try:
+                msg = wire.decode(payload)
+            except wire.ProtocolError as exc:  # authentic, so the consumer is broken
+                self.counts.count(Refusal.MALFORMED)
                 self._teardown(FailReason.PROTOCOL, f"bad message from the consumer: {exc}")
                 return
             if isinstance(msg, wire.Bye):
@@ -454,6 +489,7 @@ class ProducerLink:
                         self.submit(("send", record, None))
                 continue
             if not isinstance(msg, wire.End):
+                self.counts.count(Refusal.UNEXPECTED)
                 self._teardown(FailReason.PROTOCOL, f"unexpected {type(msg).__name__} on rev")
                 return
             record = self._records.get(msg.req)
@@ -486,10 +522,8 @@ class ProducerLink:
             ctx.table.finish(record, TransferState.FAILED, reason, Side.CONSUMER, detail)
             if not self._frames and reason is FailReason.TIMEOUT:
                 try:  # in frames mode the consumer learns it from the torn-down group
-                    if self._fwd is not None:
-                        self._fwd.push(self._fwd_key, wire.encode(wire.End(
-                            record.req_id, TransferState.FAILED, reason, Side.CONSUMER, detail,
-                            record.tag)))
+                    self._push_fwd(wire.End(record.req_id, TransferState.FAILED, reason,
+                                            Side.CONSUMER, detail, record.tag))
                 except ChannelError:
                     pass
         if not local:

@@ -63,13 +63,16 @@ class TransferConfig:
     part_bytes: int = 8 << 20  # one message carries at most this (one segment of slots)
     max_in_flight_parts: int = 4  # sends a pair keeps in flight (and staging buffers)
     checksum: bool = False  # crc32 per segment, checked before DONE (announced path)
+    # Hellos the consumer's accept queue may hold; past it the oldest are dropped unread
+    # (refused, counted): a flood of them costs a pop each, never a pair.
+    max_pending_hellos: int = 64
 
     def __post_init__(self) -> None:
         for name in ("stall_timeout_s", "start_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
-        for name in ("part_bytes", "max_in_flight_parts"):
+        for name in ("part_bytes", "max_in_flight_parts", "max_pending_hellos"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")

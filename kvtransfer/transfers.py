@@ -19,6 +19,7 @@ complete); a peer that dies breaks the pair at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,8 @@ from kvtransfer.state import (
     TransferStats,
     TransferStatus,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -220,10 +223,14 @@ def keepalive_interval_s(config: TransferConfig) -> float:
 
 
 class Watchdog:
-    """One thread per endpoint that fails transfers past their timeouts."""
+    """One thread per endpoint that fails transfers past their timeouts, and calls
+    ``on_tick`` every round (the consumer checks its supervised threads there). A record
+    whose handler raises is logged and tried again next round: nothing ends this thread."""
 
-    def __init__(self, table: TransferTable, config: TransferConfig, on_overdue: Any) -> None:
+    def __init__(self, table: TransferTable, config: TransferConfig, on_overdue: Any,
+                 on_tick: Any = None) -> None:
         self._table, self._config, self._on_overdue = table, config, on_overdue
+        self._on_tick = on_tick
         self._stop = threading.Event()
         interval = min(config.stall_timeout_s, config.start_timeout_s) / 5
         self._interval = max(0.01, min(0.5, interval))
@@ -232,14 +239,22 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            for record in self._table.overdue(self._config):
-                # A record whose blocks are being written right now is checked next round
-                # (that receive has its own timeout); others are not held up behind it.
-                if record.io_lock.acquire(blocking=False):
-                    try:
-                        self._on_overdue(record)
-                    finally:
-                        record.io_lock.release()
+            try:
+                self._round()
+            except Exception:
+                log.exception("kvtransfer watchdog: a round failed")
+
+    def _round(self) -> None:
+        if self._on_tick is not None:
+            self._on_tick()
+        for record in self._table.overdue(self._config):
+            # A record whose blocks are being written right now is checked next round
+            # (that receive has its own timeout); others are not held up behind it.
+            if record.io_lock.acquire(blocking=False):
+                try:
+                    self._on_overdue(record)
+                finally:
+                    record.io_lock.release()
 
     def stop(self) -> None:
         self._stop.set()

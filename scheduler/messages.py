@@ -691,6 +691,9 @@ class WorkerReport:
     # Seconds this process has spent running steps (a counter: its rate over a window is
     # how busy the worker was, what the SLO planner sizes the pools by).
     step_seconds: float = 0.0
+    # False: a part the steps do not exercise is down for good (a decode worker's KV accept
+    # thread kept failing: no new pair can open), so the scheduler's watch replaces it.
+    is_healthy: bool = True
 
 
 # -- healing ------------------------------------------------------------------------

@@ -212,6 +212,28 @@ def test_the_watch_removes_restarting_workers_and_kills_hung_ones() -> None:
     asyncio.run(go())
 
 
+def test_a_worker_that_reports_itself_unhealthy_is_killed_for_ray_to_restart() -> None:
+    """A decode worker whose KV listener is down for good (issue 24 item 2) steps on, idle
+    or not; its report says so, and the watch replaces it as it does a hung one."""
+    async def go() -> None:
+        client = FakeClient()
+        svc = make_service(client, expected=("p0", "d0", "d1"))
+        for wid, inc in (("p0", "p-1"), ("d0", "d0-1"), ("d1", "d1-1")):
+            await join(svc, client, wid, inc)
+        assert svc.report(WorkerReport("d0", 60, 64, incarnation="d0-1", is_healthy=False))
+        assert svc.report(WorkerReport("d1", 60, 64, incarnation="d1-1"))
+        await svc._check_workers()
+        assert svc.core.stats()["workers"]["d0"]["alive"]  # judged twice before it goes
+        await svc._check_workers()
+        await settle()
+        workers = svc.core.stats()["workers"]
+        assert [w for w in ("p0", "d0", "d1") if workers[w]["alive"]] == ["p0", "d1"]
+        assert [c[1] for c in client.calls if c[0] == "kill"] == ["d0"]
+        await svc.close()
+
+    asyncio.run(go())
+
+
 def test_a_dead_prefill_worker_ends_only_what_its_decode_worker_dropped() -> None:
     async def go() -> None:
         client = FakeClient()
@@ -248,3 +270,5 @@ def test_progress_watch_judges_only_busy_workers() -> None:
     assert w.verdicts(12.5) == [("stuck", Verdict.STALLED), ("silent", Verdict.SILENT)]
     w.forget("stuck")
     assert w.verdicts(12.5) == [("silent", Verdict.SILENT)]
+    assert w.on_report("idle", "i", 3, False, 13.0, is_healthy=False)
+    assert w.verdicts(13.0) == [("idle", Verdict.UNHEALTHY), ("silent", Verdict.SILENT)]

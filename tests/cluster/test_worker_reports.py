@@ -121,3 +121,53 @@ def test_the_link_says_whether_the_scheduler_took_the_report(scheduler, taken) -
     link.register_soon = lambda: None  # an unknown answer would start a registration
     link.is_registered = True
     assert asyncio.run(link.report(WorkerReport("decode-0", 1, 1))) is taken
+
+
+def test_a_worker_whose_kv_listener_is_down_says_so_in_its_report() -> None:
+    """The KV accept thread kept failing (here: its store is gone) and its supervisor gave
+    up: no new pair can open, so the worker reports itself unhealthy and the scheduler's
+    watch replaces it (issue 24 item 2). Before, the worker kept stepping and nobody knew."""
+    cfg = ClusterConfig.from_dict({
+        "model": {"path": "stub"},
+        "pools": {"mode": "aggregated", "num_prefill": 0, "block_size": 4,
+                  "num_kv_blocks": 64, "prefill_chunk_size": 16,
+                  "max_num_batched_tokens": 16, "max_num_seqs": 8}})
+    engine = make_stub_engine(64, 4, max_num_seqs=8, max_num_batched_tokens=16)
+    backend = MockBackend(MockHub())
+    consumer = KVConsumer(engine.pool, location=KVLocation("n0"), config=TransferConfig(),
+                          backend=backend)
+    delivered: list[WorkerReport] = []
+
+    async def report(rep: WorkerReport) -> bool:
+        delivered.append(rep)
+        return True
+
+    async def start_prefill(prefill_worker_id: str, msg: StartPrefill) -> str | None:
+        raise AssertionError("no prompt here")
+
+    async def scenario() -> None:
+        costs = StepCosts(CPU_PRIOR)
+        info = WorkerInfo("decode-0", WorkerRole.DECODE, "n0", "cpu", "d0",
+                          engine.num_total_blocks)
+        worker = DecodeWorker(info, engine, consumer, worker_policy(cfg, engine, costs), costs,
+                              limits(cfg), report, start_prefill, control_interval_s=0.05)
+        worker.start()
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not delivered and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert delivered and delivered[-1].is_healthy
+            backend.shutdown()  # the consumer's own store goes away
+            while ((not delivered or delivered[-1].is_healthy)
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.01)
+            assert not delivered[-1].is_healthy
+            status = worker.status()
+            assert status["kv_healthy"] is False and status["kv_thread_restarts"] == 5
+        finally:
+            await worker.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        consumer.close()

@@ -52,9 +52,10 @@ def channel_pair():
     b.listen("127.0.0.1")
     result = {}
     t = threading.Thread(target=lambda: result.setdefault(
-        "consumer", b.open_channel(address, "p", 1, torch.device("cpu"), "127.0.0.1", 5)))
+        "consumer", b.open_channel(address, "p", 1, torch.device("cpu"), "127.0.0.1", 5,
+                                   secret="s")))
     t.start()
-    producer = a.open_channel(address, "p", 0, torch.device("cpu"), "127.0.0.1", 5)
+    producer = a.open_channel(address, "p", 0, torch.device("cpu"), "127.0.0.1", 5, secret="s")
     t.join()
     return producer, result["consumer"]
 

@@ -19,6 +19,7 @@ from kvtransfer import (
     KVProducer,
     MockBackend,
     MockHub,
+    Refusal,
     TensorKVStore,
     TransferConfig,
     TransferState,
@@ -93,13 +94,14 @@ def test_the_real_ticket_opens_the_pair_and_a_replayed_hello_is_refused() -> Non
         assert consumer.num_refused_pairs == 0 and consumer.peers() == [producer.endpoint_id]
         # A Hello seen once (a valid proof for its pair) is refused the second time.
         consumer_at = ticket.consumer
-        hello = wire.encode(wire.Hello("p-x-1", "p-x", consumer_at.server, consumer_at.location,
-                                       consumer_at.layout,
-                                       auth.pair_proof(ticket.secret, "p-x-1", "p-x")))
+        hello = auth.seal(ticket.secret, wire.ACCEPT_KEY, 0, wire.encode(wire.Hello(
+            "p-x-1", "p-x", consumer_at.server, consumer_at.location, consumer_at.layout,
+            auth.pair_proof(ticket.secret, "p-x-1", "p-x"))))
         queue = MockBackend(hub).open_queue(consumer_at.server, 5.0)
         queue.push(wire.ACCEPT_KEY, hello)
         queue.push(wire.ACCEPT_KEY, hello)
         assert wait_until(lambda: consumer.num_refused_pairs == 1, 10.0)
+        assert consumer.listener_stats().accept[Refusal.REPLAYED] == 1
     finally:
         producer.close()
         consumer.close()
