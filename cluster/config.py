@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from router.key_digests import KeyDigest, hash_keys, new_salt, parse_key_lines
+from scheduler.pool_planner import PlannerSettings, PoolLimits
 from scheduler.tiers import (
     ConfigError,
     ShareMode,
@@ -382,6 +383,44 @@ class TracingConfig(_Frozen):
         return self.jsonl_path or DEFAULT_TRACE_FILE
 
 
+class PlannerConfig(_Frozen):
+    """The SLO planner (``scheduler/pool_planner.py``): sizes the prefill and decode pools
+    from tier-0 attainment, each pool's busy fraction and decode KV in use, one worker per
+    pool per ``cooldown_s`` at most, within ``min_*``/``max_*``. Off by default: the pools
+    keep ``pools.num_prefill``/``pools.num_decode`` (which must lie within the bounds
+    when it is on; they are its starting sizes)."""
+
+    enabled: bool = False
+    interval_s: float = Field(10.0, gt=0)  # one decision per window
+    cooldown_s: float = Field(20.0, ge=0)
+    down_stable_s: float = Field(45.0, ge=0)
+    min_prefill: int = Field(1, ge=0, le=64)
+    max_prefill: int = Field(4, ge=0, le=64)
+    min_decode: int = Field(1, ge=1, le=64)
+    max_decode: int = Field(4, ge=1, le=64)
+    target_attainment: float = Field(0.99, gt=0, le=1)
+    busy_high: float = Field(0.85, gt=0, le=1)
+    busy_low: float = Field(0.45, ge=0, lt=1)
+    kv_high: float = Field(0.85, gt=0, le=1)
+    kv_low: float = Field(0.45, ge=0, lt=1)
+    max_total_workers: int | None = Field(None, ge=2)
+    allow_role_moves: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> PlannerConfig:
+        self.settings()  # the pure object's own checks, with its messages
+        return self
+
+    def settings(self) -> PlannerSettings:
+        return PlannerSettings(
+            prefill=PoolLimits(self.min_prefill, self.max_prefill),
+            decode=PoolLimits(self.min_decode, self.max_decode),
+            cooldown_s=self.cooldown_s, down_stable_s=self.down_stable_s,
+            target_attainment=self.target_attainment, busy_high=self.busy_high,
+            busy_low=self.busy_low, kv_high=self.kv_high, kv_low=self.kv_low,
+            max_total=self.max_total_workers, allow_role_moves=self.allow_role_moves)
+
+
 class ClusterConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     pools: PoolsConfig = PoolsConfig()
@@ -391,6 +430,7 @@ class ClusterConfig(_Frozen):
     router: RouterConfig = RouterConfig()
     tenants: tuple[TenantConfig, ...] = ()
     tracing: TracingConfig = TracingConfig()
+    planner: PlannerConfig = PlannerConfig()
     # Ray address to join ("auto", "ray://...", host:port); None starts a local instance.
     ray_address: str | None = None
     # Set only on the copy sent to the scheduler and the workers (without_keys): its
@@ -407,6 +447,15 @@ class ClusterConfig(_Frozen):
         if self.model.path == "stub" and self.pools.mode != "aggregated":
             raise ValueError("model.path: the stub engine (no model, for bench-control) runs "
                              "only with pools.mode aggregated: it has no KV to transfer")
+        pl = self.planner
+        if pl.enabled:
+            for name, n, lo, hi in (("num_prefill", self.pools.num_prefill, pl.min_prefill,
+                                     pl.max_prefill),
+                                    ("num_decode", self.pools.num_decode, pl.min_decode,
+                                     pl.max_decode)):
+                if not lo <= n <= hi:
+                    raise ValueError(f"pools.{name} {n}: the planner starts from it, so it "
+                                     f"must lie within planner bounds [{lo}, {hi}]")
         num_tiers = self.tiers.to_tier_config().num_tiers
         seen: dict[str, str] = {}
         for i, t in enumerate(self.tenants):

@@ -203,3 +203,18 @@ def test_scheduler_and_workers_get_no_key_material() -> None:
     # A withheld tree never carries keys back in, and a configuration cannot claim to be one.
     with pytest.raises(ConfigError, match="keys_withheld"):
         ClusterConfig.from_dict({**shipped, "tenants": [{"name": "a", "api_keys": ["k"]}]})
+
+
+def test_planner_settings_and_their_checks() -> None:
+    cfg = load_config(overrides=["planner.enabled=true", "planner.max_decode=3",
+                                 "pools.num_decode=2"])
+    st = cfg.planner.settings()
+    assert st.decode.max_size == 3 and st.prefill.min_size == 1 and st.cooldown_s == 20.0
+    with pytest.raises(ConfigError, match="planner bounds"):
+        load_config(overrides=["planner.enabled=true", "pools.num_decode=5"])
+    with pytest.raises(ConfigError, match="min"):
+        load_config(overrides=["planner.min_decode=3", "planner.max_decode=2"])
+    with pytest.raises(ConfigError, match="watermarks"):
+        load_config(overrides=["planner.busy_low=0.9", "planner.busy_high=0.5"])
+    # Off (the default), the pool sizes are not held to the planner's bounds.
+    assert load_config(overrides=["pools.num_decode=5"]).pools.num_decode == 5
