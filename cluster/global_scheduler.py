@@ -77,6 +77,8 @@ from scheduler.messages import (
     WorkerReport,
     encode,
 )
+from scheduler.pool_planner import Pool, PoolSignals
+from scheduler.pool_window import PoolWindow
 from scheduler.request import Decision, DecisionRecord, Request, RequestState
 from scheduler.step_costs import CPU_PRIOR
 from scheduler.tiers import TierConfig
@@ -151,6 +153,8 @@ class GlobalScheduler:
         self.preemptions: dict[str, int] = {}
         # Every preemption by mode, restore times, swap spaces, prefix caches, links.
         self.kv_stats = KVMemoryStats()
+        # What the SLO planner reads (scheduler/pool_window.py), since it last stepped.
+        self.pool_window = PoolWindow(time.time())
         self.tracer = tracer
         self._notices: dict[str, asyncio.Queue[bytes]] = {}
         self._pending_notices: dict[str, list[Notice]] = {}
@@ -181,6 +185,7 @@ class GlobalScheduler:
                     len(lost))
         self.metrics.forget_worker(worker_id)
         self.kv_stats.forget_worker(worker_id)
+        self.pool_window.forget(worker_id)
         if not slot.can_decode:
             self._release_waiting_on(worker_id, None)
         self._kick()
@@ -278,6 +283,10 @@ class GlobalScheduler:
             if ev.event is WorkerEvent.PREFILL_DONE and ev.started > 0:
                 self._observe_hops(ev)
         self.core.on_report(rep, now)
+        if w is not None:
+            self.pool_window.on_report(rep.worker_id,
+                                       Pool.DECODE if w.can_decode else Pool.PREFILL,
+                                       rep.step_seconds)
         for t in rep.transfers:
             entry = self.core.live.get(t.req_id)
             cls = entry.move_class if entry is not None else None
@@ -502,6 +511,7 @@ class GlobalScheduler:
         self.metrics.on_prefix_lookup(num_blocks, num_hit)
 
     def on_closed(self, req: Request) -> None:
+        self.pool_window.on_closed(req, self.tiers[req.tier])
         spec = self.specs.pop(req.req_id, None)
         rlog = RequestLog.from_request(req, self.transfers.pop(req.req_id, []),
                                        tenant=spec.tenant if spec is not None else "")
@@ -565,6 +575,19 @@ class GlobalScheduler:
             if w.is_alive:
                 live["decode" if w.can_decode else "prefill"] += 1
         return {"policy": self.policy.name, "mode": self.core.mode.value, "live_workers": live}
+
+    def planner_signals(self, now: float, num_prefill: int, num_decode: int) -> PoolSignals:
+        """The SLO planner's window, closed now (``num_*``: the pools' desired sizes, what
+        the planner changes): the decode workers' KV in use, and whether tier-0 requests
+        wait for a prefill now."""
+        used = total = 0
+        for w in self.core.workers.values():
+            if w.is_alive and w.can_decode:
+                total += w.info.num_kv_blocks
+                used += w.info.num_kv_blocks - max(w.free_blocks, 0)
+        waiting0 = any(r.tier == 0 for r in self.core.waiting())
+        return self.pool_window.close(now, num_prefill, num_decode,
+                                      used / total if total else 0.0, waiting0)
 
     def stats(self) -> dict[str, object]:
         return {

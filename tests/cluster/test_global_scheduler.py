@@ -30,7 +30,7 @@ from scheduler.messages import (
     WorkerReport,
     decode,
 )
-from scheduler.request import RequestState
+from scheduler.request import Decision, RequestState
 from scheduler.testing import make_costs
 from scheduler.tiers import cpu_tiers
 from scheduler.topology import WorkerInfo, WorkerRole
@@ -336,3 +336,27 @@ def test_health_counts_the_live_workers_of_each_role() -> None:
                            "live_workers": {"prefill": 2, "decode": 2}}
     gs.worker_failed("d-b")
     assert gs.health()["live_workers"] == {"prefill": 2, "decode": 1}
+
+
+def test_the_planner_window_reads_reports_ends_and_kv_in_use() -> None:
+    async def go() -> None:
+        gs, _ = make_scheduler({"d-a": 64})
+        gs.submit_batch(SubmitBatch((spec("x", 20, tier=0),)))
+        await settle(gs)
+        gs.pool_window.start = time.time() - 10.0  # a 10 s window, whatever the clock did
+        gs.report(WorkerReport("p-a", 64, 64, step_seconds=1.0))
+        gs.report(WorkerReport("p-a", 64, 64, step_seconds=6.0))
+        gs.report(WorkerReport("d-a", 16, 64, step_seconds=2.0))
+        gs.report(WorkerReport("d-a", 16, 64, step_seconds=4.0))
+        gs.core.abort("x", time.time(), Decision.ERROR, "test", error="boom")  # a tier-0 miss
+        sig = gs.planner_signals(time.time(), 2, 1)
+        assert (sig.num_prefill, sig.num_decode) == (2, 1)
+        assert sig.kv_used == pytest.approx(48 / 64)
+        assert sig.tier0_attainment == 0.0 and sig.tier0_prefill_waits
+        assert sig.prefill_busy == pytest.approx(5.0 / 20.0, rel=0.05)  # 5 s of 2 x 10 s
+        assert sig.decode_busy == pytest.approx(2.0 / 10.0, rel=0.05)
+        # The next window starts empty.
+        assert gs.planner_signals(time.time(), 2, 1).tier0_attainment is None
+        await gs.close()
+
+    asyncio.run(go())
