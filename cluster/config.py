@@ -18,6 +18,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,6 +72,10 @@ class ModelConfig(_Frozen):
     attention: Literal["auto", "paged", "flex"] = "auto"
     # The name clients pass as `model`; empty means the checkpoint folder's name.
     served_name: str = ""
+    # path "stub" only (engine/stub.py): seconds each step sleeps, fixed and per token
+    # computed, so each stub worker has a capacity of its own (tierserve bench-scale).
+    stub_step_s: float = Field(0.0, ge=0, le=10)
+    stub_token_s: float = Field(0.0, ge=0, le=1)
 
 
 class PoolsConfig(_Frozen):
@@ -449,10 +454,11 @@ class ClusterConfig(_Frozen):
                              "only with pools.mode aggregated: it has no KV to transfer")
         pl = self.planner
         if pl.enabled:
-            for name, n, lo, hi in (("num_prefill", self.pools.num_prefill, pl.min_prefill,
-                                     pl.max_prefill),
-                                    ("num_decode", self.pools.num_decode, pl.min_decode,
-                                     pl.max_decode)):
+            sizes = [("num_decode", self.pools.num_decode, pl.min_decode, pl.max_decode)]
+            if self.pools.mode != "aggregated":
+                sizes.append(("num_prefill", self.pools.num_prefill, pl.min_prefill,
+                              pl.max_prefill))
+            for name, n, lo, hi in sizes:
                 if not lo <= n <= hi:
                     raise ValueError(f"pools.{name} {n}: the planner starts from it, so it "
                                      f"must lie within planner bounds [{lo}, {hi}]")
@@ -496,6 +502,14 @@ class ClusterConfig(_Frozen):
     @property
     def pool_mode(self) -> str:
         return self.pools.mode or ("disaggregated" if self.uses_gpus else "auto")
+
+    def planner_settings(self) -> PlannerSettings:
+        """The SLO planner's settings; an aggregated cluster has no prefill pool to size
+        (its decode workers prefill: the planner reads prefill's signals for them)."""
+        st = self.planner.settings()
+        if self.pool_mode == "aggregated":
+            st = replace(st, prefill=PoolLimits(0, 0))
+        return st
 
     @property
     def uses_gpus(self) -> bool:

@@ -69,7 +69,8 @@ def build_engine(cfg: ClusterConfig, *, role: str) -> Any:
 
         return make_stub_engine(p.num_kv_blocks or 16384, p.block_size,
                                 max_num_seqs=p.max_num_seqs,
-                                max_num_batched_tokens=p.max_num_batched_tokens)
+                                max_num_batched_tokens=p.max_num_batched_tokens,
+                                step_s=cfg.model.stub_step_s, token_s=cfg.model.stub_token_s)
     budget: dict[str, Any] = {}
     if p.kv_cache_memory_fraction is not None:
         budget["kv_cache_fraction"] = p.kv_cache_memory_fraction

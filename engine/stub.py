@@ -7,10 +7,17 @@ picks token 0 every step. A cluster over stub engines spends its time only in th
 the global scheduler, the workers' Python and Ray, which is what ``tierserve
 bench-control`` measures (requests per second through router and scheduler). Selected
 with ``model.path: stub`` in ``pools.mode: aggregated`` (it has no KV to transfer).
+
+A *paced* stub (``model.stub_step_s``, ``model.stub_token_s``) sleeps in each step for
+the time a model would take (a fixed cost plus a cost per token computed), with the
+GIL released: each worker then has a capacity of its own, set by that pace and not by
+the host's cores, so a bench can show what adding or removing workers does (``tierserve
+bench-scale``) on a laptop.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -42,20 +49,31 @@ class _StubModel(torch.nn.Module):
 
 
 class _StubRunner:
-    """Zero logits for every sampled row: no forward at all (and no native kernels)."""
+    """Zero logits for every sampled row: no forward at all (and no native kernels);
+    paced, it first sleeps ``step_s`` plus ``token_s`` per token the step computes."""
 
     kernels = None
+
+    def __init__(self, step_s: float = 0.0, token_s: float = 0.0) -> None:
+        if step_s < 0 or token_s < 0:
+            raise ValueError("a stub's pace must be >= 0 seconds")
+        self.step_s, self.token_s = step_s, token_s
 
     def execute(self, decodes: Sequence[object], chunks: Sequence[object]) -> torch.Tensor:
         n = sum(len(w.token_ids) if getattr(w, "all_logits", False) else 1
                 for w in (*decodes, *chunks) if getattr(w, "sample", False)
                 or getattr(w, "all_logits", False))
+        if self.step_s or self.token_s:
+            tokens = len(decodes) + sum(len(getattr(c, "token_ids", ())) for c in chunks)
+            time.sleep(self.step_s + self.token_s * tokens)
         return torch.zeros(n, STUB_VOCAB)
 
 
 def make_stub_engine(num_kv_blocks: int, block_size: int = 16, *, max_num_seqs: int = 256,
-                     max_num_batched_tokens: int = 8192) -> LLMEngine:
+                     max_num_batched_tokens: int = 8192, step_s: float = 0.0,
+                     token_s: float = 0.0) -> LLMEngine:
     cfg = EngineConfig(model="stub", dtype="float32", device="cpu", block_size=block_size,
                        num_kv_blocks=num_kv_blocks, prefill_chunk_size=max_num_batched_tokens,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    return LLMEngine(cfg, model=_StubModel(), tokenizer=None, runner=_StubRunner())
+    return LLMEngine(cfg, model=_StubModel(), tokenizer=None,
+                     runner=_StubRunner(step_s, token_s))

@@ -195,8 +195,10 @@ class PoolPlanner:
             return Why.TIER0_DECODE if missing else Why.KV_FULL
         if sig.decode_busy >= s.busy_high:
             return Why.TIER0_DECODE if missing else Why.DECODE_BUSY
-        if missing and not sig.tier0_prefill_waits:
-            return Why.TIER0_DECODE  # the misses were not prefill's: decode is short
+        if missing and (not sig.tier0_prefill_waits or s.prefill.max_size == 0):
+            # Not prefill's misses, or no prefill pool (aggregated: the decode workers
+            # prefill, so every tier-0 miss is theirs).
+            return Why.TIER0_DECODE
         return None
 
     def _could_shrink(self, pool: Pool, sig: PoolSignals) -> bool:

@@ -218,3 +218,10 @@ def test_planner_settings_and_their_checks() -> None:
         load_config(overrides=["planner.busy_low=0.9", "planner.busy_high=0.5"])
     # Off (the default), the pool sizes are not held to the planner's bounds.
     assert load_config(overrides=["pools.num_decode=5"]).pools.num_decode == 5
+
+
+def test_an_aggregated_cluster_has_no_prefill_pool_for_the_planner() -> None:
+    cfg = load_config(overrides=["planner.enabled=true", "pools.mode=aggregated",
+                                 "pools.num_prefill=0"])
+    st = cfg.planner_settings()
+    assert (st.prefill.min_size, st.prefill.max_size) == (0, 0) and st.decode.max_size == 4

@@ -141,3 +141,9 @@ def test_busy_fraction() -> None:
     assert busy_fraction(5.0, 10.0, 1) == 0.5
     assert busy_fraction(30.0, 10.0, 2) == 1.0
     assert busy_fraction(1.0, 0.0, 2) == 0.0
+
+
+def test_without_a_prefill_pool_the_decode_pool_answers_tier0_ttft_misses() -> None:
+    pl = PoolPlanner(settings(prefill=PoolLimits(0, 0)))
+    out = pl.step(sig(0, p=0, att=0.9, waits=True))
+    assert out == [PoolChange(Pool.DECODE, +1, Why.TIER0_DECODE)]
