@@ -35,6 +35,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-pressure": ("bench.pressure",
                        "KV memory pressure on a real cluster: preemption modes, restore "
                        "times, swap, tier attainment per policy"),
+    "bench-scale": ("bench.scale",
+                    "a load step up and down against the SLO planner (paced stub engines)"),
     "why": ("cluster.why_cli", "explain why a request was late"),
     "drill": ("bench.drill_cli", "kill parts of a running cluster mid-stream and check it heals"),
 }
